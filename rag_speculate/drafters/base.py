@@ -1,0 +1,39 @@
+"""The drafter interface: propose a draft tree, learn from the verification.
+
+A drafter never decides what is emitted, only what is checked, so any drafter (even a random
+one) keeps the output identical to plain decoding; a good one just gets more of it accepted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..tree import DraftTree
+from ..verify import Verification
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What the drafter may use for one generation, given before the first proposal."""
+
+    prompt_ids: Sequence[int]
+    document_ids: Sequence[Sequence[int]]
+    vocab_size: int
+
+
+class Drafter(ABC):
+    """Base class: override `propose`, and `start` / `observe` when the drafter keeps state."""
+
+    name: str = "drafter"
+
+    def start(self, context: DraftContext) -> None:
+        """A new generation begins; drop per-generation state and index the context."""
+
+    @abstractmethod
+    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        """A tree of at most `budget` nodes that may follow `tokens` (prompt plus output so far)."""
+
+    def observe(self, verification: Verification) -> None:
+        """The target's verdict on the last proposal."""

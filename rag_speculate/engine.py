@@ -1,0 +1,310 @@
+"""The speculative decoding engine: draft, verify in one forward, keep what the target agrees with.
+
+The whole decode loop is `_run`; everything it calls is small and lives beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Union
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .drafters import DraftContext, Drafter, NGramTrieDrafter
+from .errors import InvalidArgumentError, RagSpeculateError
+from .output import OutputTracker
+from .result import GenerationResult, GenerationStats, GenerationStream
+from .sampling import SamplingParams, sample_token
+from .tree import DraftTree
+from .verify import Verifier, make_cache, sliding_window
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+Document = Union[str, Sequence[int]]
+
+# Measured with benchmarks/forward_cost.py (docs/design.md): in bf16 on a 2-core CPU a forward over
+# 16 new tokens costs ~1.2x one over a single token, while document drafts rarely get more than
+# a handful of branches accepted, so 16 nodes buys most of the acceptance at little cost.
+DEFAULT_DRAFT_BUDGET = 16
+_DOCUMENT_CACHE_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class _Request:
+    prompt_ids: list[int]
+    document_ids: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    seed: int | None
+
+
+class SpeculativeEngine:
+    """Wraps a Hugging Face causal LM; output is token-identical to `model.generate` (greedy) or
+    drawn from exactly the same distribution (sampling), only faster."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        drafter: Drafter | None = None,
+        *,
+        draft_budget: int | None = None,
+    ):
+        if draft_budget is not None and draft_budget < 0:
+            raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.drafter = drafter if drafter is not None else NGramTrieDrafter()
+        self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self._verifier = Verifier(model)
+        self.tree_attention, reason = self._verifier.supports_tree_attention()
+        if not self.tree_attention:
+            warnings.warn(
+                f"{type(model).__name__} cannot verify a draft tree with a custom 4D attention mask ({reason}); "
+                "falling back to verifying only the longest draft branch per forward",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        # One generation at a time: the model's forward and the drafter's state are not shared-safe.
+        self._lock = threading.Lock()
+        self._documents: OrderedDict[str, list[int]] = OrderedDict()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
+        drafter: Drafter | None = None,
+        draft_budget: int | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> SpeculativeEngine:
+        """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id."""
+        from .loading import load_model
+
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress)
+        return cls(model, tokenizer, drafter, draft_budget=draft_budget)
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Generate a completion. Arguments as in `stream`."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        documents: Sequence[Document] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        chat: bool = False,
+    ) -> GenerationStream:
+        """Yield text deltas as tokens are accepted; the stream's `result` holds the GenerationResult.
+
+        `prompt` is text, token ids, or (with `chat=True`) a list of {"role", "content"} messages;
+        `documents` (text or token ids) feed the drafters only, never the prompt.
+        """
+        request = _Request(
+            prompt_ids=self._prompt_ids(prompt, chat),
+            document_ids=self._document_ids(documents),
+            max_new_tokens=max_new_tokens,
+            sampling=_sampling_params(temperature, top_p, top_k),
+            stop=_stop_strings(stop),
+            seed=seed,
+        )
+        self._check_lengths(request)
+        return GenerationStream(self._run(request))
+
+    def _run(self, request: _Request) -> Generator[str, None, GenerationResult]:
+        with self._lock:
+            stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+            started = time.perf_counter()
+            params, generator = request.sampling, self._generator(request.seed)
+            output = OutputTracker(self.tokenizer, self.eos_token_ids, request.stop, request.max_new_tokens)
+
+            self.drafter.start(DraftContext(request.prompt_ids, request.document_ids, self.vocab_size))
+            stats.drafting_s += time.perf_counter() - started
+
+            cache = make_cache(self.model)
+            prefill_started = time.perf_counter()
+            first = sample_token(self._verifier.prefill(cache, request.prompt_ids), params, generator)
+            stats.prefill_s = time.perf_counter() - prefill_started
+            stats.target_forwards = 1
+            stats.time_to_first_token_s = time.perf_counter() - started
+            tokens = [*request.prompt_ids, first]
+            output.extend([first])
+            tree_mode = self._tree_mode(cache, request)
+            stats.verification = "tree" if tree_mode else "chain"
+            yield output.delta()
+
+            decode_started = time.perf_counter()
+            while not output.done:
+                draft_started = time.perf_counter()
+                remaining = request.max_new_tokens - len(output.token_ids)
+                tree = self._checked(self.drafter.propose(tokens, self.draft_budget)).truncated(self.draft_budget, remaining - 1)
+                stats.drafting_s += time.perf_counter() - draft_started
+
+                verification = self._verifier.step(cache, tokens[-1], tree, params, generator, tree_mode)
+                stats.target_forwards += 1
+
+                draft_started = time.perf_counter()
+                self.drafter.observe(verification)
+                stats.drafting_s += time.perf_counter() - draft_started
+
+                taken = output.extend(verification.accepted_tokens)
+                tokens.extend(verification.accepted_tokens[:taken])
+                _count_sources(stats, verification.tree, verification.accepted_nodes[:taken], self.drafter.name)
+                delta = output.delta()
+                if delta:
+                    yield delta
+            stats.decode_s = time.perf_counter() - decode_started
+            stats.new_tokens = len(output.token_ids)
+            delta = output.delta()
+            if delta:
+                yield delta
+            return GenerationResult(output.text, output.token_ids, output.finish_reason or "length", stats)
+
+    # --- helpers of the decode loop -------------------------------------------------------
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        generator = torch.Generator(device=self.model.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        return generator
+
+    def _tree_mode(self, cache, request: _Request) -> bool:
+        """Tree verification, unless the model cannot, or a sliding window would outgrow its past."""
+        window = sliding_window(cache)
+        longest = len(request.prompt_ids) + request.max_new_tokens + self.draft_budget
+        return self.tree_attention and (window is None or longest < window)
+
+    def _checked(self, tree: DraftTree) -> DraftTree:
+        if tree.tokens and not 0 <= min(tree.tokens) <= max(tree.tokens) < self.vocab_size:
+            raise RagSpeculateError(f"drafter {self.drafter.name!r} proposed a token outside [0, {self.vocab_size})")
+        return tree
+
+    # --- turning user input into token ids -------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError("prompt is empty")
+            if chat:
+                return self._chat_ids([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or not prompt:
+            raise InvalidArgumentError("prompt must be a non-empty string, list of token ids or list of chat messages")
+        if all(isinstance(m, dict) for m in prompt):
+            if not chat:
+                raise InvalidArgumentError("a list of chat messages as prompt needs chat=True")
+            return self._chat_ids(list(prompt))
+        return self._token_ids(prompt, "prompt")
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidArgumentError(f"each chat message needs string 'role' and 'content', got {m!r}")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _token_ids(self, ids: Sequence[Any], what: str) -> list[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidArgumentError(f"{what} must be a string or a list of int token ids")
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            raise InvalidArgumentError(f"{what} has token ids outside the vocabulary range [0, {self.vocab_size})")
+        return list(ids)
+
+    def _document_ids(self, documents: Sequence[Document] | None) -> list[list[int]]:
+        if documents is None:
+            return []
+        if isinstance(documents, str) or not isinstance(documents, Sequence):
+            raise InvalidArgumentError("documents must be a list of documents (strings or lists of token ids)")
+        out = []
+        for i, doc in enumerate(documents):
+            if isinstance(doc, str):
+                out.append(self._tokenize_document(doc))
+            elif isinstance(doc, Sequence):
+                out.append(self._token_ids(doc, f"documents[{i}]"))
+            else:
+                raise InvalidArgumentError(f"documents[{i}] must be a string or a list of token ids, got {type(doc).__name__}")
+        return out
+
+    def _tokenize_document(self, text: str) -> list[int]:
+        """Each distinct document is tokenized once per engine: RAG pipelines retrieve the same ones again."""
+        key = hashlib.sha1(text.encode()).hexdigest()
+        ids = self._documents.get(key)
+        if ids is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self._documents[key] = ids
+            if len(self._documents) > _DOCUMENT_CACHE_SIZE:
+                self._documents.popitem(last=False)
+        else:
+            self._documents.move_to_end(key)
+        return ids
+
+    def _check_lengths(self, request: _Request) -> None:
+        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if self.max_positions is not None and total > self.max_positions:
+            raise InvalidArgumentError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
+                f"exceeds the model's position limit of {self.max_positions}"
+            )
+
+
+def _sampling_params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
+    if not temperature >= 0:
+        raise InvalidArgumentError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    return SamplingParams(float(temperature), float(top_p), top_k)
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {s!r}")
+    return stops
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids `generate` stops at: the generation config's, else the tokenizer's."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _count_sources(stats: GenerationStats, tree: DraftTree, accepted: list[int], default: str) -> None:
+    for i in range(len(tree)):
+        stats.drafted_tokens[tree.source(i) or default] += 1
+    for i in accepted:
+        stats.accepted_tokens[tree.source(i) or default] += 1

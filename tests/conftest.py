@@ -1,0 +1,70 @@
+"""Tiny random models of real architectures, built in code, and a character-level tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+# Tiny models gain nothing from threads, and oversubscribed cores make them 30x slower.
+torch.set_num_threads(1)
+
+VOCAB = 96
+CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"()-\n"
+COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.3, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_config(arch: str, **overrides):
+    if arch == "llama":
+        config = LlamaConfig(**LLAMA_LIKE, **COMMON)
+    elif arch == "qwen2":
+        config = Qwen2Config(**LLAMA_LIKE, **COMMON)
+    elif arch == "mistral":
+        config = MistralConfig(**LLAMA_LIKE, **COMMON, sliding_window=None)
+    elif arch == "gemma3":
+        config = Gemma3TextConfig(**LLAMA_LIKE, head_dim=16, sliding_window=1024, **COMMON)
+    elif arch == "gpt2":
+        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=VOCAB, initializer_range=0.3, eos_token_id=0, bos_token_id=0)
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).eval()
+    model.generation_config.eos_token_id = 0
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return char_tokenizer()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, **kwargs)
+    return out[0, len(prompt_ids) :].tolist()
