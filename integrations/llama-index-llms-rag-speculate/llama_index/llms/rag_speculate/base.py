@@ -1,0 +1,269 @@
+"""`SpeculativeHFLLM`: a LlamaIndex LLM on the speculative engine (in place of `HuggingFaceLLM`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.prompts import BasePromptTemplate, SelectorPromptTemplate
+from llama_index.core.types import TokenAsyncGen, TokenGen
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from rag_speculate import GenerationResult, GenerationStream, SpeculativeEngine
+
+from rag_speculate.serving import DTYPES, acollect, aiterate, collect, shared_engine, token_usage
+from .documents import current_documents, drafter_documents, drafting_for_query
+
+# What a caller may pass per call to complete/chat and their stream/async variants.
+CALL_ARGUMENTS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "documents")
+_ROLES = (MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT)
+_LOADING = ("dtype", "device", "draft_budget")
+
+
+class SpeculativeHFLLM(CustomLLM):
+    """A local Hugging Face model as a LlamaIndex LLM, accelerated by lossless speculative decoding.
+
+    Prompts go through the model's chat template, streaming or not (`complete(..., formatted=True)`
+    sends the text as it is; `completion_to_prompt` / `messages_to_prompt`, when given, replace the
+    template). The drafters draft from the prompt, and from the retrieved nodes when the query engine
+    has a `DraftDocumentsPostprocessor` or a call passes `documents=`.
+
+        llm = SpeculativeHFLLM("qwen2.5-coder-1.5b-instruct", max_new_tokens=128)
+        index.as_query_engine(llm=llm, streaming=True, node_postprocessors=[DraftDocumentsPostprocessor()])
+    """
+
+    # Unknown settings are rejected: a mistyped one would otherwise be silently ignored.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_name: str = Field(description="Packaged model name, .gguf file, local folder or Hugging Face id.")
+    dtype: str = Field(default="bfloat16", description=f"One of {', '.join(DTYPES)}.")
+    device: str = Field(default="cpu")
+    draft_budget: int | None = Field(default=None, description="Draft nodes verified per forward (0: no speculation).")
+    max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated at most (the metadata's num_output).")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
+    seed: int | None = Field(default=None)
+    stop: list[str] | None = Field(default=None, description="Strings that end generation (never emitted).")
+
+    _engine: SpeculativeEngine = PrivateAttr()
+
+    def __init__(self, model_name: str | None = None, *, engine: SpeculativeEngine | None = None, **kwargs: Any):
+        """Load `model_name` (or reuse the engine this process loaded with the same settings), or wrap
+        `engine`, already loaded, to share one model between several LlamaIndex and LangChain objects."""
+        if engine is None:
+            if model_name is None:
+                raise ValueError(
+                    "pass model_name (a packaged model name, .gguf file, folder or Hugging Face id) or engine="
+                )
+            super().__init__(model_name=model_name, **kwargs)
+            self._engine = shared_engine(
+                model_name, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget
+            )
+            return
+        loading = sorted(set(_LOADING) & set(kwargs))
+        if loading:
+            raise ValueError(f"{', '.join(loading)} configure loading a model: they cannot be combined with engine=")
+        super().__init__(
+            model_name=model_name or engine.name,
+            dtype=str(engine.model.dtype).removeprefix("torch."),
+            device=str(engine.model.device),
+            draft_budget=engine.draft_budget,
+            **kwargs,
+        )
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpeculativeHFLLM"
+
+    @property
+    def engine(self) -> SpeculativeEngine:
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._engine.max_positions or DEFAULT_CONTEXT_WINDOW,
+            num_output=self.max_new_tokens,
+            is_chat_model=True,
+            model_name=self.model_name,
+        )
+
+    # --- what query engines call: the query being answered says which retrieved nodes to draft from
+
+    def predict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        with drafting_for_query(self._query(prompt, prompt_args)):
+            return super().predict(prompt, **prompt_args)
+
+    def stream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenGen:
+        # The generation starts (and takes its documents) inside this call; only the tokens come later.
+        with drafting_for_query(self._query(prompt, prompt_args)):
+            return super().stream(prompt, **prompt_args)
+
+    async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        with drafting_for_query(self._query(prompt, prompt_args)):
+            return await super().apredict(prompt, **prompt_args)
+
+    async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenAsyncGen:
+        with drafting_for_query(self._query(prompt, prompt_args)):
+            return await super().astream(prompt, **prompt_args)
+
+    def _query(self, prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> str | None:
+        """The `query_str` a synthesizer answers: among the arguments, or (as most synthesizers do it)
+        already filled into the template."""
+        template = prompt.select(llm=self) if isinstance(prompt, SelectorPromptTemplate) else prompt
+        return prompt_args.get("query_str", template.kwargs.get("query_str"))
+
+    # --- completion ----------------------------------------------------------------------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._response(collect(self._start_completion(prompt, formatted, kwargs)))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._responses(self._start_completion(prompt, formatted, kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._response(await acollect(self._start_completion(prompt, formatted, kwargs)))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return self._aresponses(self._start_completion(prompt, formatted, kwargs))
+
+    # --- chat ----------------------------------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _chat_response(self._response(collect(self._start_chat(messages, kwargs))))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return (_chat_response(r) for r in self._responses(self._start_chat(messages, kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _chat_response(self._response(await acollect(self._start_chat(messages, kwargs))))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return (_chat_response(r) async for r in self._aresponses(self._start_chat(messages, kwargs)))
+
+    # --- starting a generation: everything is checked here, before any streaming starts ----
+
+    def _start_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> GenerationStream:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+        if formatted:
+            return self._start(prompt, False, kwargs)
+        if self.completion_to_prompt is not default_completion_to_prompt:
+            return self._start(self.completion_to_prompt(prompt), False, kwargs)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return self._start([*system, {"role": "user", "content": prompt}], True, kwargs)
+
+    def _start_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> GenerationStream:
+        chat = _chat_messages(messages)
+        if self.messages_to_prompt is not generic_messages_to_prompt:
+            return self._start(self.messages_to_prompt(messages), False, kwargs)
+        return self._start(chat, True, kwargs)
+
+    def _start(self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any]) -> GenerationStream:
+        unknown = sorted(set(kwargs) - set(CALL_ARGUMENTS))
+        if unknown:
+            raise TypeError(
+                f"SpeculativeHFLLM got unsupported argument(s) {', '.join(map(repr, unknown))}; "
+                f"per-call arguments are {', '.join(CALL_ARGUMENTS)}"
+            )
+        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
+            raise TypeError("pass max_new_tokens or its alias max_tokens, not both")
+        documents = kwargs.get("documents")
+        return self._engine.stream(
+            prompt,
+            chat=chat,
+            documents=current_documents() if documents is None else drafter_documents(documents),
+            max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            seed=kwargs.get("seed", self.seed),
+            stop=kwargs.get("stop", self.stop),
+        )
+
+    # --- responses -----------------------------------------------------------------------
+
+    def _response(self, result: GenerationResult, delta: str | None = None) -> CompletionResponse:
+        """The whole answer; its `raw["usage"]` is what TokenCountingHandler counts, streamed or not."""
+        return CompletionResponse(
+            text=result.text,
+            delta=delta,
+            raw={"model": self.model_name, "usage": token_usage(result.stats)},
+            additional_kwargs={"finish_reason": result.finish_reason, "speculative_stats": result.stats.as_dict()},
+        )
+
+    def _responses(self, stream: GenerationStream) -> Iterator[CompletionResponse]:
+        text = ""
+        try:
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+        finally:
+            stream.close()  # a consumer that stops early frees the engine at once
+        # The last response carries the usage and stats: the callbacks read them from the last one.
+        yield self._response(stream.result, delta="")
+
+    async def _aresponses(self, stream: GenerationStream) -> AsyncIterator[CompletionResponse]:
+        text = ""
+        async for delta in aiterate(stream):
+            text += delta
+            yield CompletionResponse(text=text, delta=delta)
+        yield self._response(stream.result, delta="")
+
+
+def _chat_response(response: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+        delta=response.delta,
+        raw=response.raw,
+        additional_kwargs=response.additional_kwargs,
+    )
+
+
+def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """LlamaIndex messages as the chat template's {"role", "content"} dicts; what it cannot render is refused."""
+    if not messages:
+        raise ValueError("chat needs at least one message")
+    out = []
+    for message in messages:
+        if message.role not in _ROLES:
+            raise ValueError(
+                f"SpeculativeHFLLM supports system, user and assistant messages, not {message.role.value!r}"
+            )
+        if not all(isinstance(block, TextBlock) for block in message.blocks):
+            raise ValueError("SpeculativeHFLLM supports text content only")
+        out.append({"role": message.role.value, "content": message.content or ""})
+    if out[-1]["role"] != MessageRole.USER.value:
+        raise ValueError(
+            f"the chat history must end with a user message, not {out[-1]['role']!r}: the model answers it"
+        )
+    if not out[-1]["content"].strip():
+        raise ValueError("the last user message is empty")
+    return out

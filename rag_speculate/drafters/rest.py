@@ -1,0 +1,40 @@
+"""REST (He et al., 2023): draft what followed the context's longest match in a datastore.
+
+The datastore finds the longest suffix of the context (at most `n_max` tokens) that occurs in the
+corpus and reads the `m` tokens after up to `max_matches` of its occurrences; a frequency trie
+of those continuations keeps its `budget` most frequent nodes (Algorithm 2 of the paper). The
+documents retrieved for one request are not used here: the datastore is the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..datastore import Datastore, DatastoreError, check_retrieval_arguments
+from ..tree import DraftTree
+from .base import DraftContext, Drafter
+from .frequency_trie import best_subtree, frequency_trie
+
+
+class RESTDrafter(Drafter):
+    name = "rest"
+
+    def __init__(self, datastore: Datastore, n_max: int = 16, m: int = 10, max_matches: int = 64):
+        check_retrieval_arguments(n_max, m, max_matches)
+        self.datastore = datastore
+        self.n_max = n_max
+        self.m = m
+        self.max_matches = max_matches
+
+    def start(self, context: DraftContext) -> None:
+        if self.datastore.vocab_size > context.vocab_size:
+            raise DatastoreError(
+                f"the datastore's vocabulary ({self.datastore.vocab_size} ids) is larger than the model's "
+                f"({context.vocab_size}): it was built for another model; rebuild it with this model's tokenizer"
+            )
+
+    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        if budget < 1:
+            return DraftTree.empty()
+        retrieval = self.datastore.retrieve(tokens, n_max=self.n_max, m=self.m, max_matches=self.max_matches)
+        return best_subtree(frequency_trie(retrieval.continuations), budget, self.name)
