@@ -21,7 +21,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rag_speculate import SpeculativeEngine  # noqa: E402
+from rag_speculate import SpeculativeEngine
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ["summarization", "rag", "qa", "math_reasoning", "translation"]
@@ -57,7 +57,8 @@ def run_hf(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, **kwa
     return {"tokens": tokens, "total_s": ended - started, "decode_s": ended - (clock.first_token_at or ended), "forwards": None}
 
 
-def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, documents: list[str] | None) -> dict:
+def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, documents: list[str] | None, budget: int) -> dict:
+    engine.draft_budget = budget
     started = time.perf_counter()
     result = engine.generate(ids, documents=documents, max_new_tokens=max_new_tokens)
     total = time.perf_counter() - started
@@ -83,14 +84,20 @@ def documents_of(row: dict) -> list[str] | None:
     return None
 
 
+def _budget(method: str, default: int) -> int:
+    """`ours` drafts with the engine's default budget, `ours@B` with B nodes."""
+    return int(method.split("@")[1]) if "@" in method else default
+
+
 def measure(engine: SpeculativeEngine, items: list[dict], methods: list[str], max_new_tokens: int) -> list[dict]:
     runs = []
+    default_budget = engine.draft_budget
     for i, row in enumerate(items):
         ids = engine.encode_prompt(row["turns"][0], chat=True)
         order = methods[i % len(methods) :] + methods[: i % len(methods)]
         for method in order:
-            if method == "ours":
-                out = run_ours(engine, ids, max_new_tokens, documents_of(row))
+            if method.startswith("ours"):
+                out = run_ours(engine, ids, max_new_tokens, documents_of(row), _budget(method, default_budget))
             else:
                 out = run_hf(engine, ids, max_new_tokens, **({"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}))
             out.update(item=row["question_id"], category=row["category"], method=method, prompt_tokens=len(ids))
@@ -150,17 +157,20 @@ def markdown(summary: dict, methods: list[str]) -> str:
         for method in methods:
             m = block["methods"][method]
 
-            def ratio(base: str) -> str:
-                key = f"decode_speedup_vs_{base}"
-                return f"{m[key + '_mean']:.2f} / {m[key + '_median']:.2f}" if key + "_mean" in m else "-"
-
             found = f"{m['answer_found']:.0%}" if "answer_found" in m else "-"
             per_forward = f"{m['tokens_per_forward']:.2f}" if m["tokens_per_forward"] else "-"
             lines.append(
-                f"| {category} (n={block['items']}) | {method} | {m['e2e_tok_s']:.2f} | {m['decode_tok_s']:.2f} | {ratio('hf-greedy')} | "
-                f"{ratio('hf-pld')} | {per_forward} | {m['identical_to_greedy']:.0%} | {found} |"
+                f"| {category} (n={block['items']}) | {method} | {m['e2e_tok_s']:.2f} | {m['decode_tok_s']:.2f} | {_ratio(m, 'hf-greedy')} | "
+                f"{_ratio(m, 'hf-pld')} | {per_forward} | {m['identical_to_greedy']:.0%} | {found} |"
             )
     return "\n".join(lines)
+
+
+def _ratio(method_summary: dict, base: str) -> str:
+    key = f"decode_speedup_vs_{base}"
+    if key + "_mean" not in method_summary:
+        return "-"
+    return f"{method_summary[key + '_mean']:.2f} / {method_summary[key + '_median']:.2f}"
 
 
 def plot(summary: dict, methods: list[str], path: Path) -> None:
@@ -190,10 +200,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="items per category")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", type=int, default=None, help="draft budget (default: the engine's)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="also ours@B: our engine with a draft budget of B")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench"))
     args = parser.parse_args()
 

@@ -47,7 +47,7 @@ def parse_args(description: str, argv: Sequence[str] | None) -> argparse.Namespa
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"packaged model, .gguf, folder or HF id (default {DEFAULT_MODEL})"
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument(
         "--question", action="append", help="ask this (repeatable); default: the first corpus questions"
     )

@@ -10,28 +10,30 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Union
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .budget import AgreementRate, CostModel, best_prefix
 from .drafters import DraftContext, Drafter, NGramTrieDrafter
 from .errors import InvalidArgumentError, RagSpeculateError
 from .output import OutputTracker
 from .result import GenerationResult, GenerationStats, GenerationStream
 from .sampling import SamplingParams, sample_token
-from .tree import DraftTree
-from .verify import Verifier, make_cache, sliding_window
+from .tree import ROOT, DraftTree
+from .verify import Verification, Verifier, make_cache, sliding_window
 
-Prompt = Union[str, Sequence[int], Sequence[dict]]
-Document = Union[str, Sequence[int]]
+Prompt = str | Sequence[int] | Sequence[dict]
+Document = str | Sequence[int]
 
-# Measured with benchmarks/forward_cost.py (docs/design.md): in bf16 on a 2-core CPU a forward over
-# 16 new tokens costs ~1.2x one over a single token, while document drafts rarely get more than
-# a handful of branches accepted, so 16 nodes buys most of the acceptance at little cost.
+# The most draft nodes one forward may verify; each step verifies only the best-first prefix of
+# the draft that pays for its measured cost (budget.py). On the 2-core AVX2 CPU this project is
+# measured on, a forward over 17 tokens costs 2.8x one over 1 in fp32 and 10x in bf16
+# (docs/benchmarks.md), so more than 16 rarely pays even for perfect drafts.
 DEFAULT_DRAFT_BUDGET = 16
 _DOCUMENT_CACHE_SIZE = 1024
 
@@ -79,6 +81,9 @@ class SpeculativeEngine:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        # Timed on first use (not here: building an engine should stay cheap).
+        self._costs: CostModel | None = None
+        self._agreement = AgreementRate()
         # One generation at a time: the model's forward and the drafter's state are not shared-safe.
         self._lock = threading.Lock()
         # Callers validate and tokenize before taking the generation lock, so the cache has its own.
@@ -90,13 +95,16 @@ class SpeculativeEngine:
         cls,
         name_or_path: str,
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         device: str = "cpu",
         drafter: Drafter | None = None,
         draft_budget: int | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> SpeculativeEngine:
-        """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id."""
+        """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id.
+
+        `dtype=None` picks bf16 where the hardware computes in it, else fp32 (`loading.default_dtype`).
+        """
         from .loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress)
@@ -159,16 +167,22 @@ class SpeculativeEngine:
             tree_mode = self._tree_mode(cache, request)
             stats.verification = "tree" if tree_mode else "chain"
             yield output.delta()
+            costs = self._cost_model(tree_mode)
 
             decode_started = time.perf_counter()
             while not output.done:
                 draft_started = time.perf_counter()
                 remaining = request.max_new_tokens - len(output.token_ids)
                 tree = self._checked(self.drafter.propose(tokens, self.draft_budget)).truncated(self.draft_budget, remaining - 1)
+                if tree.scores:
+                    tree = tree.truncated(best_prefix(tree.scores, tree.depths(), self._agreement.rate, costs), remaining - 1)
                 stats.drafting_s += time.perf_counter() - draft_started
 
+                forward_started = time.perf_counter()
                 verification = self._verifier.step(cache, tokens[-1], tree, params, generator, tree_mode)
+                costs.observe(len(verification.tree) + 1, time.perf_counter() - forward_started)
                 stats.target_forwards += 1
+                self._agreement.observe(*_agreement_trials(verification))
 
                 draft_started = time.perf_counter()
                 self.drafter.observe(verification)
@@ -196,6 +210,11 @@ class SpeculativeEngine:
         else:
             generator.manual_seed(seed)
         return generator
+
+    def _cost_model(self, tree_mode: bool) -> CostModel:
+        if self._costs is None:
+            self._costs = CostModel.measure(self._verifier.timed_forward(tree_mode), self.draft_budget + 1)
+        return self._costs
 
     def _tree_mode(self, cache, request: _Request) -> bool:
         """Tree verification, unless the model cannot, or a sliding window would outgrow its past."""
@@ -310,6 +329,15 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _agreement_trials(verification: Verification) -> tuple[int, int]:
+    """(agreed, trials): each accepted draft token agreed; the walk's end was a disagreement
+    only if the draft offered a continuation there."""
+    accepted = verification.accepted_nodes
+    last = accepted[-1] if accepted else ROOT
+    rejected = any(parent == last for parent in verification.tree.parents)
+    return len(accepted), len(accepted) + rejected
 
 
 def _count_sources(stats: GenerationStats, tree: DraftTree, accepted: list[int], default: str) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -12,14 +12,30 @@ from . import models
 from .errors import InvalidArgumentError
 
 
+def default_dtype(device: str = "cpu") -> torch.dtype:
+    """bf16 where the hardware computes in it (GPUs, CPUs with AVX512-BF16 or AMX), else fp32.
+
+    On an AVX2-only CPU bf16 matrix products are emulated and cost grows with every token fed:
+    measured on this project's 2-core machine, a 1000-token prefill of the 1.5B target takes
+    195 s in bf16 against 41 s in fp32, and a forward over 17 tokens 10x one over a single token
+    against 2.8x in fp32. Only single-token decoding is faster in bf16 (243 ms against 393 ms).
+    """
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
+
+
 def load_model(
     name_or_path: str,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A packaged model name, a `.gguf` file, a local folder or a Hugging Face model id."""
+    dtype = dtype or default_dtype(device)
     if models.is_packaged_model(name_or_path):
         return models.load_packaged_model(name_or_path, dtype=dtype, device=device, progress=progress)
     path = Path(name_or_path)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+
 import torch
 
 from .engine import SpeculativeEngine
 from .result import GenerationResult, GenerationStats, GenerationStream
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# "auto": bf16 where the hardware computes in it, else fp32 (loading.default_dtype).
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Key under which a corpus index stores a chunk's token ids (from the target's tokenizer) in its
 # metadata, so the drafters get them without tokenizing the text again.
 TOKEN_IDS_KEY = "token_ids"

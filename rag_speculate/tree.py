@@ -24,14 +24,18 @@ class DraftTree:
     parents: list[int]
     # Which drafter proposed each node, so acceptance can be credited per source.
     sources: list[str] = field(default_factory=list)
+    # The drafter's estimate that the target accepts each node (its whole path), listed best
+    # first; the engine uses it to verify only as many nodes as pay for their cost.
+    scores: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise RagSpeculateError(
                 f"draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents"
             )
-        if self.sources and len(self.sources) != len(self.tokens):
-            raise RagSpeculateError("draft tree sources must have one entry per token")
+        for name in ("sources", "scores"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.tokens):
+                raise RagSpeculateError(f"draft tree {name} must have one entry per token")
         for i, p in enumerate(self.parents):
             if not ROOT <= p < i:
                 raise RagSpeculateError(f"draft node {i} has parent {p}; parents must precede children")
@@ -69,17 +73,20 @@ class DraftTree:
         if len(self) <= max_nodes and (not self.tokens or max(self.depths()) <= max_depth):
             return self
         keep: dict[int, int] = {ROOT: ROOT}
-        tokens, parents, sources = [], [], []
         for i, (d, p) in enumerate(zip(self.depths(), self.parents)):
             if i >= max_nodes:
                 break
             if d <= max_depth and p in keep:
-                keep[i] = len(tokens)
-                tokens.append(self.tokens[i])
-                parents.append(keep[p])
-                if self.sources:
-                    sources.append(self.sources[i])
-        return DraftTree(tokens, parents, sources)
+                keep[i] = len(keep) - 1
+        return self._subset([i for i in keep if i != ROOT], [keep[self.parents[i]] for i in keep if i != ROOT])
+
+    def _subset(self, nodes: list[int], parents: list[int]) -> DraftTree:
+        return DraftTree(
+            [self.tokens[i] for i in nodes],
+            parents,
+            [self.sources[i] for i in nodes] if self.sources else [],
+            [self.scores[i] for i in nodes] if self.scores else [],
+        )
 
     def longest_branch(self) -> DraftTree:
         """The deepest root-to-leaf path, for models that can only verify a single chain."""
@@ -92,11 +99,7 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         path.reverse()
-        return DraftTree(
-            [self.tokens[i] for i in path],
-            list(range(-1, len(path) - 1)),
-            [self.sources[i] for i in path] if self.sources else [],
-        )
+        return self._subset(path, list(range(-1, len(path) - 1)))
 
 
 def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

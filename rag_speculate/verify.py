@@ -14,6 +14,7 @@ the bonus and we stop. Every emitted token is therefore exactly the target's own
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,23 @@ class Verifier:
         return result
 
     @torch.inference_mode()
+    def timed_forward(self, tree_mode: bool, context: int = 32) -> Callable[[int], None]:
+        """A function that runs one verification-shaped forward over q tokens, for cost probing."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        cache = make_cache(self.model)
+        self.prefill(cache, [(7 * i + 3) % vocab for i in range(context)])
+        forward = self.forward_tree if tree_mode else self.forward_chain
+
+        @torch.inference_mode()
+        def run(q: int) -> None:
+            forward(cache, 1, DraftTree.chain([1] * (q - 1)))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            keep_cache_entries(cache, q, [])
+
+        return run
+
+    @torch.inference_mode()
     def supports_tree_attention(self) -> tuple[bool, str]:
         """Check on real forwards that a custom 4D mask and the cache gather give plain decoding's logits.
 
@@ -153,7 +171,7 @@ class Verifier:
             logits = self.forward_tree(cache, b, tree).float()
             keep_cache_entries(cache, len(tree) + 1, [0, len(tree)])
             after = self.prefill(cache, [e]).float()
-        except Exception as exc:  # any failure means this model cannot do tree attention
+        except Exception as exc:  # noqa: BLE001 - any failure means this model cannot do tree attention
             return False, f"{type(exc).__name__}: {exc}"
         scale = reference.abs().max().item() + 1e-6
         for name, got, want in (("tree mask", logits[-1], reference[2]), ("cache gather", after, reference[3])):

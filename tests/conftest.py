@@ -8,10 +8,10 @@ import os
 # transformers is imported, since huggingface_hub reads it once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import (  # noqa: E402
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -26,8 +26,8 @@ torch.set_num_threads(1)
 
 VOCAB = 96
 CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"()-\n"
-COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.3, eos_token_id=0, bos_token_id=None, pad_token_id=None)
-LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+COMMON = {"vocab_size": VOCAB, "max_position_embeddings": 512, "initializer_range": 0.3, "eos_token_id": 0, "bos_token_id": None, "pad_token_id": None}
+LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def tiny_config(arch: str, **overrides):

@@ -288,9 +288,8 @@ def test_damaged_cache_is_detected(
     folder = _use_copy_of_cache(smol, tmp_path, monkeypatch)
     damage(folder)
     monkeypatch.setattr(models, "_convert", _refuse_rebuild)
-    with caplog.at_level(logging.WARNING, logger="rag_speculate.models"):
-        with pytest.raises(_RebuildRequested):
-            load_packaged_model(SMOL, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="rag_speculate.models"), pytest.raises(_RebuildRequested):
+        load_packaged_model(SMOL, dtype=torch.float32)
     assert "rebuilding" in caplog.text
 
 

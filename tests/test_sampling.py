@@ -70,7 +70,7 @@ def _pool_small_cells(counts, exact, draws, min_expected=5.0):
 def test_seed_reproduces_the_same_text(tokenizer):
     model = tiny_model("llama", seed=5)
     engine = SpeculativeEngine(model, tokenizer)
-    kwargs = dict(documents=["the quick brown fox jumps over the lazy dog"], max_new_tokens=30, temperature=0.9, top_p=0.95)
+    kwargs = {"documents": ["the quick brown fox jumps over the lazy dog"], "max_new_tokens": 30, "temperature": 0.9, "top_p": 0.95}
     runs = [engine.generate(PROMPT, seed=seed, **kwargs).token_ids for seed in (11, 11, 12)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]

@@ -65,7 +65,7 @@ def test_result_before_the_end_is_an_error(setup):
     engine, ids, _ = setup
     stream = engine.stream(ids, max_new_tokens=5)
     with pytest.raises(RuntimeError, match="not finished"):
-        stream.result
+        _ = stream.result
     stream.close()
     # Closing a stream early frees the engine for the next caller.
     assert engine.generate(ids, max_new_tokens=3).finish_reason in ("length", "eos")

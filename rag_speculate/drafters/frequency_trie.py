@@ -33,15 +33,20 @@ def best_subtree(trie: Trie, budget: int, source: str) -> DraftTree:
     # node yields the top-`budget` nodes as a connected tree; `order` breaks ties by insertion.
     heap = [(-count, order, token, ROOT, children) for order, (token, (count, children)) in enumerate(trie.items())]
     heapq.heapify(heap)
+    # The share of retrieved continuations that agree with a node's path estimates how likely
+    # the target is to accept it.
+    total = sum(count for count, _ in trie.values())
     tokens: list[int] = []
     parents: list[int] = []
+    scores: list[float] = []
     order = len(heap)
     while heap and len(tokens) < budget:
-        _, _, token, parent, children = heapq.heappop(heap)
+        negative_count, _, token, parent, children = heapq.heappop(heap)
         index = len(tokens)
         tokens.append(token)
         parents.append(parent)
+        scores.append(-negative_count / total)
         for child_token, (count, grandchildren) in children.items():
             heapq.heappush(heap, (-count, order, child_token, index, grandchildren))
             order += 1
-    return DraftTree(tokens, parents, [source] * len(tokens))
+    return DraftTree(tokens, parents, [source] * len(tokens), scores)

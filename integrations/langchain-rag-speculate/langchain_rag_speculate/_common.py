@@ -10,7 +10,6 @@ from langchain_core.language_models import LangSmithParams
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from rag_speculate import GenerationResult, SpeculativeEngine
-
 from rag_speculate.serving import DTYPES, TOKEN_IDS_KEY, shared_engine, token_usage
 
 # LangSmith groups runs by provider; LangChain partner packages use their package's suffix.
@@ -46,7 +45,7 @@ class SpeculativeHFParams(BaseModel):
     """A packaged model name (e.g. "qwen2.5-coder-1.5b-instruct"), a .gguf file, a local folder or a Hugging Face id."""
     engine: SpeculativeEngine | None = Field(default=None, exclude=True, repr=False)
     """An engine already loaded, to share one model between several LangChain and LlamaIndex objects."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     draft_budget: int | None = None
     """Draft tree nodes verified per forward (None: the engine's default; 0 disables speculation)."""
@@ -83,7 +82,7 @@ class SpeculativeHFParams(BaseModel):
         cls,
         model_id: str,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         device: str = "cpu",
         draft_budget: int | None = None,
         **kwargs: Any,

@@ -11,9 +11,9 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Chat
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
 from rag_speculate import GenerationResult, GenerationStream
+from rag_speculate.serving import acollect, aiterate, collect, token_usage
 
 from ._common import MODEL_CONFIG, SpeculativeHFParams
-from rag_speculate.serving import acollect, aiterate, collect, token_usage
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
 

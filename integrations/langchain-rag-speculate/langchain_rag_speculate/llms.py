@@ -10,9 +10,9 @@ from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from rag_speculate import GenerationResult, GenerationStream
+from rag_speculate.serving import acollect, aiterate, collect, token_usage
 
 from ._common import MODEL_CONFIG, SpeculativeHFParams
-from rag_speculate.serving import acollect, aiterate, collect, token_usage
 
 
 class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):

@@ -27,8 +27,8 @@ from llama_index.core.types import TokenAsyncGen, TokenGen
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from rag_speculate import GenerationResult, GenerationStream, SpeculativeEngine
-
 from rag_speculate.serving import DTYPES, acollect, aiterate, collect, shared_engine, token_usage
+
 from .documents import current_documents, drafter_documents, drafting_for_query
 
 # What a caller may pass per call to complete/chat and their stream/async variants.
@@ -53,7 +53,7 @@ class SpeculativeHFLLM(CustomLLM):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model_name: str = Field(description="Packaged model name, .gguf file, local folder or Hugging Face id.")
-    dtype: str = Field(default="bfloat16", description=f"One of {', '.join(DTYPES)}.")
+    dtype: str = Field(default="auto", description=f"One of {', '.join(DTYPES)}.")
     device: str = Field(default="cpu")
     draft_budget: int | None = Field(default=None, description="Draft nodes verified per forward (0: no speculation).")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated at most (the metadata's num_output).")

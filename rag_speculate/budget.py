@@ -1,0 +1,92 @@
+"""How many draft nodes to verify: as many as pay for their cost, measured on this device.
+
+A forward over q tokens costs c(q). On a GPU c is flat for small q, so drafting more is nearly
+free; on a CPU it is not (this project's 2-core AVX2 machine: in bf16 c(8) is 5.3 c(1), in fp32
+2.6 c(1)). The engine therefore keeps the best-first prefix of the drafter's tree that maximises
+expected tokens per second, (1 + sum of acceptance estimates) / c(q), and verifies nothing at all
+when no prefix beats plain decoding. The costs are timed once at start and then follow the real
+verification forwards. A node's acceptance estimate is its drafter's score (the share of
+retrieved continuations that agree with its path) times r**depth, where r, how often the target
+follows a draft one more token, is counted from the real verifications.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+# q = draft nodes + 1 (the last accepted token is always fed); powers of two cover the curve's shape.
+PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)
+_COST_MEMORY = 0.8  # weight of the old estimate when a verification forward is timed
+# Per step: old evidence fades, so drafting that starts failing is dropped within a few steps, and
+# drafting that was dropped is tried again once the evidence against it has faded to the prior.
+_AGREEMENT_MEMORY = 0.95
+
+
+class CostModel:
+    """Seconds per target forward as a function of q, interpolated between timed sizes."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self._sizes = sorted(seconds)
+        self._seconds = [seconds[q] for q in self._sizes]
+
+    @classmethod
+    def measure(cls, forward: Callable[[int], None], max_q: int) -> CostModel:
+        sizes = [q for q in PROBE_SIZES if q < max_q] + [max_q]
+        forward(1)  # the first call pays one-off allocations
+        seconds = {}
+        for q in sizes:
+            started = time.perf_counter()
+            forward(q)
+            seconds[q] = time.perf_counter() - started
+        return cls(seconds)
+
+    def __call__(self, q: int) -> float:
+        sizes, seconds = self._sizes, self._seconds
+        if len(sizes) == 1:
+            return seconds[0] * q / sizes[0]
+        if q >= sizes[-1]:
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+            return max(seconds[-1] + slope * (q - sizes[-1]), seconds[-1])
+        return float(np.interp(q, sizes, seconds))
+
+    def observe(self, q: int, seconds: float) -> None:
+        i = bisect.bisect_left(self._sizes, q)
+        if i < len(self._sizes) and self._sizes[i] == q:
+            self._seconds[i] = _COST_MEMORY * self._seconds[i] + (1 - _COST_MEMORY) * seconds
+        else:
+            self._sizes.insert(i, q)
+            self._seconds.insert(i, seconds)
+
+
+class AgreementRate:
+    """How often the target agrees with the draft's next token: a node at depth d is accepted with
+    about its drafter's estimate times rate**d. Counted from real verifications, with a prior."""
+
+    def __init__(self, prior: float = 0.75, prior_weight: float = 4.0):
+        self._prior_agreed = prior * prior_weight
+        self._prior_trials = prior_weight
+        self._agreed = 0.0
+        self._trials = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self._agreed + self._prior_agreed) / (self._trials + self._prior_trials)
+
+    def observe(self, agreed: int, trials: int) -> None:
+        self._agreed = _AGREEMENT_MEMORY * self._agreed + agreed
+        self._trials = _AGREEMENT_MEMORY * self._trials + trials
+
+
+def best_prefix(scores: list[float], depths: list[int], rate: float, cost: CostModel) -> int:
+    """Number k of best-first nodes maximising (1 + expected accepted) / cost(k + 1); 0 = don't draft."""
+    best_k, best_speed, expected = 0, 1 / cost(1), 1.0
+    for k, (score, depth) in enumerate(zip(scores, depths), start=1):
+        expected += score * rate**depth
+        speed = expected / cost(k + 1)
+        if speed > best_speed:
+            best_k, best_speed = k, speed
+    return best_k

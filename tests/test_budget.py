@@ -1,0 +1,59 @@
+"""Verifying only the draft nodes that pay for their measured cost."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, tiny_model
+
+from rag_speculate import SpeculativeEngine
+from rag_speculate.budget import AgreementRate, CostModel, best_prefix
+
+# Measured on the project's CPU for the 1.5B target (docs/benchmarks.md), seconds.
+BF16 = CostModel({1: 0.243, 2: 0.375, 5: 0.9, 9: 1.291, 17: 2.508})
+FP32 = CostModel({1: 0.393, 2: 0.775, 5: 0.977, 9: 1.008, 17: 1.084})
+
+
+def test_cost_model_interpolates_extrapolates_and_follows_observations():
+    assert FP32(9) == pytest.approx(1.008)
+    assert FP32(13) == pytest.approx((1.008 + 1.084) / 2)
+    assert FP32(25) > FP32(17)
+    FP32_copy = CostModel({1: 0.393, 17: 1.084})
+    FP32_copy.observe(17, 2.084)
+    assert FP32_copy(17) == pytest.approx(0.8 * 1.084 + 0.2 * 2.084)
+    FP32_copy.observe(5, 0.5)
+    assert FP32_copy(5) == pytest.approx(0.5)
+
+
+def test_prefix_follows_costs_and_agreement():
+    chain_scores, chain_depths = [1.0] * 16, list(range(1, 17))
+    # A reliable chain pays in full when 17 tokens cost 2.8 single steps (fp32) ...
+    assert best_prefix(chain_scores, chain_depths, 0.95, FP32) == 16
+    # ... but in bf16, where each token costs ~150 ms more, only a short prefix does.
+    assert 0 < best_prefix(chain_scores, chain_depths, 0.95, BF16) < 16
+    # A target that rarely follows the drafts: plain decoding is fastest.
+    assert best_prefix(chain_scores, chain_depths, 0.3, FP32) == 0
+    assert best_prefix([0.1] * 16, chain_depths, 0.95, BF16) == 0
+
+
+def test_agreement_rate_learns_and_forgets():
+    rate = AgreementRate(prior=0.75, prior_weight=4)
+    assert rate.rate == pytest.approx(0.75)
+    for _ in range(5):
+        rate.observe(agreed=0, trials=1)
+    low = rate.rate
+    assert low < 0.5
+    for _ in range(200):
+        rate.observe(agreed=0, trials=0)
+    assert rate.rate == pytest.approx(0.75, abs=0.01)
+
+
+def test_engine_stops_drafting_when_drafts_do_not_pay_and_stays_lossless(tokenizer):
+    model = tiny_model("llama")
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+    reference = hf_greedy(model, ids, 40)
+    engine = SpeculativeEngine(model, tokenizer)
+    # Every extra token costs a whole forward: no draft can pay.
+    engine._costs = CostModel({1: 1.0, 2: 2.0, 17: 17.0})
+    result = engine.generate(ids, documents=[reference], max_new_tokens=40)
+    assert result.token_ids == reference
+    assert sum(result.stats.drafted_tokens.values()) == 0
