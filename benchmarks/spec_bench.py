@@ -136,6 +136,8 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
                 # transformers does not report its forwards; plain greedy is 1 by definition.
                 "tokens_per_forward": tokens / sum(r["forwards"] for r in rs) if rs[0]["forwards"] else None,
             }
+            if rs[0].get("drafting_s") is not None:
+                row[method]["drafting_share_of_decode"] = sum(r["drafting_s"] for r in rs) / sum(r["decode_s"] for r in rs)
             if category == "rag":
                 row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
             for base in ("hf-greedy", "hf-pld"):
@@ -150,8 +152,9 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
 
 def markdown(summary: dict, methods: list[str]) -> str:
     lines = [
-        "| category | method | e2e tok/s | decode tok/s | decode x greedy (mean / median) | decode x pld (mean / median) | tokens/forward | identical | answer found |",
-        "|---|---|---|---|---|---|---|---|---|",
+        ("| category | method | e2e tok/s | decode tok/s | decode x greedy (mean / median) | decode x pld (mean / median) "
+        "| tokens/forward | drafting / decode | identical to greedy | answer found |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for category, block in summary.items():
         for method in methods:
@@ -159,9 +162,10 @@ def markdown(summary: dict, methods: list[str]) -> str:
 
             found = f"{m['answer_found']:.0%}" if "answer_found" in m else "-"
             per_forward = f"{m['tokens_per_forward']:.2f}" if m["tokens_per_forward"] else "-"
+            drafting = f"{m['drafting_share_of_decode']:.1%}" if "drafting_share_of_decode" in m else "-"
             lines.append(
                 f"| {category} (n={block['items']}) | {method} | {m['e2e_tok_s']:.2f} | {m['decode_tok_s']:.2f} | {_ratio(m, 'hf-greedy')} | "
-                f"{_ratio(m, 'hf-pld')} | {per_forward} | {m['identical_to_greedy']:.0%} | {found} |"
+                f"{_ratio(m, 'hf-pld')} | {per_forward} | {drafting} | {m['identical_to_greedy']:.0%} | {found} |"
             )
     return "\n".join(lines)
 
@@ -205,7 +209,15 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="draft budget (default: the engine's)")
     parser.add_argument("--methods", default=",".join(METHODS), help="also ours@B: our engine with a draft budget of B")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench"))
+    parser.add_argument("--from-json", type=Path, help="only re-render the table and plot of an earlier run")
     args = parser.parse_args()
+    if args.from_json:
+        runs = json.loads(args.from_json.read_text())["runs"]
+        methods = list(dict.fromkeys(r["method"] for r in runs))
+        summary = summarize(runs, methods)
+        plot(summary, methods, args.from_json.with_suffix(".png"))
+        print(markdown(summary, methods))
+        return
 
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")

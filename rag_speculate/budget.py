@@ -5,9 +5,11 @@ free; on a CPU it is not (this project's 2-core AVX2 machine: in bf16 c(8) is 5.
 2.6 c(1)). The engine therefore keeps the best-first prefix of the drafter's tree that maximises
 expected tokens per second, (1 + sum of acceptance estimates) / c(q), and verifies nothing at all
 when no prefix beats plain decoding. The costs are timed once at start and then follow the real
-verification forwards. A node's acceptance estimate is its drafter's score (the share of
-retrieved continuations that agree with its path) times r**depth, where r, how often the target
-follows a draft one more token, is counted from the real verifications.
+verification forwards. A node's acceptance estimate comes from its drafter: for the retrieval
+drafters, the share of retrieved continuations that agree with its path times r**depth, where r,
+how often the target follows such a draft one more token, is counted from real verifications,
+separately for each length of the context match behind the draft (longer matches are stronger
+evidence, and start from a more confident prior).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .tree import ROOT
+from .verify import Verification
+
 # q = draft nodes + 1 (the last accepted token is always fed); powers of two cover the curve's shape.
 PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)
 _COST_MEMORY = 0.8  # weight of the old estimate when a verification forward is timed
-# Per step: old evidence fades, so drafting that starts failing is dropped within a few steps, and
+# Prior agreement rate by the length of the context match a draft came from (capped at 4):
+# optimistic enough to try drafts from 2+ token matches, not from a single common token.
+_MATCH_PRIORS = {1: 0.55, 2: 0.7, 3: 0.8, 4: 0.9}
+# Per verification: old evidence fades, so drafting that starts failing is dropped within a few steps, and
 # drafting that was dropped is tried again once the evidence against it has faded to the prior.
 _AGREEMENT_MEMORY = 0.95
 
@@ -81,11 +89,41 @@ class AgreementRate:
         self._trials = _AGREEMENT_MEMORY * self._trials + trials
 
 
-def best_prefix(scores: list[float], depths: list[int], rate: float, cost: CostModel) -> int:
+def agreement_trials(verification: Verification) -> tuple[int, int]:
+    """(agreed, trials) of one verification: each accepted draft token agreed; the walk's end was
+    a disagreement only if the draft offered a continuation there."""
+    accepted = verification.accepted_nodes
+    last = accepted[-1] if accepted else ROOT
+    rejected = any(parent == last for parent in verification.tree.parents)
+    return len(accepted), len(accepted) + rejected
+
+
+class MatchAgreement:
+    """Agreement rates of a retrieval drafter, one per context-match length; `rate` before a
+    proposal, `observe` with its verification."""
+
+    def __init__(self) -> None:
+        self._rates: dict[int, AgreementRate] = {}
+        self._pending: int | None = None
+
+    def rate(self, match_length: int) -> float:
+        key = min(match_length, max(_MATCH_PRIORS))
+        if key not in self._rates:
+            self._rates[key] = AgreementRate(prior=_MATCH_PRIORS[key])
+        self._pending = key
+        return self._rates[key].rate
+
+    def observe(self, verification: Verification) -> None:
+        if self._pending is not None and len(verification.tree):
+            self._rates[self._pending].observe(*agreement_trials(verification))
+        self._pending = None
+
+
+def best_prefix(scores: list[float], cost: CostModel) -> int:
     """Number k of best-first nodes maximising (1 + expected accepted) / cost(k + 1); 0 = don't draft."""
     best_k, best_speed, expected = 0, 1 / cost(1), 1.0
-    for k, (score, depth) in enumerate(zip(scores, depths), start=1):
-        expected += score * rate**depth
+    for k, score in enumerate(scores, start=1):
+        expected += score
         speed = expected / cost(k + 1)
         if speed > best_speed:
             best_k, best_speed = k, speed

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .budget import AgreementRate, CostModel, best_prefix
+from .budget import CostModel, best_prefix
 from .drafters import DraftContext, Drafter, NGramTrieDrafter
 from .errors import InvalidArgumentError, RagSpeculateError
 from .output import OutputTracker
 from .result import GenerationResult, GenerationStats, GenerationStream
 from .sampling import SamplingParams, sample_token
-from .tree import ROOT, DraftTree
-from .verify import Verification, Verifier, make_cache, sliding_window
+from .tree import DraftTree
+from .verify import Verifier, make_cache, sliding_window
 
 Prompt = str | Sequence[int] | Sequence[dict]
 Document = str | Sequence[int]
@@ -83,7 +83,6 @@ class SpeculativeEngine:
             )
         # Timed on first use (not here: building an engine should stay cheap).
         self._costs: CostModel | None = None
-        self._agreement = AgreementRate()
         # One generation at a time: the model's forward and the drafter's state are not shared-safe.
         self._lock = threading.Lock()
         # Callers validate and tokenize before taking the generation lock, so the cache has its own.
@@ -175,14 +174,13 @@ class SpeculativeEngine:
                 remaining = request.max_new_tokens - len(output.token_ids)
                 tree = self._checked(self.drafter.propose(tokens, self.draft_budget)).truncated(self.draft_budget, remaining - 1)
                 if tree.scores:
-                    tree = tree.truncated(best_prefix(tree.scores, tree.depths(), self._agreement.rate, costs), remaining - 1)
+                    tree = tree.truncated(best_prefix(tree.scores, costs), remaining - 1)
                 stats.drafting_s += time.perf_counter() - draft_started
 
                 forward_started = time.perf_counter()
                 verification = self._verifier.step(cache, tokens[-1], tree, params, generator, tree_mode)
                 costs.observe(len(verification.tree) + 1, time.perf_counter() - forward_started)
                 stats.target_forwards += 1
-                self._agreement.observe(*_agreement_trials(verification))
 
                 draft_started = time.perf_counter()
                 self.drafter.observe(verification)
@@ -329,15 +327,6 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-def _agreement_trials(verification: Verification) -> tuple[int, int]:
-    """(agreed, trials): each accepted draft token agreed; the walk's end was a disagreement
-    only if the draft offered a continuation there."""
-    accepted = verification.accepted_nodes
-    last = accepted[-1] if accepted else ROOT
-    rejected = any(parent == last for parent in verification.tree.parents)
-    return len(accepted), len(accepted) + rejected
 
 
 def _count_sources(stats: GenerationStats, tree: DraftTree, accepted: list[int], default: str) -> None:

@@ -6,7 +6,9 @@ import pytest
 from conftest import hf_greedy, tiny_model
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.budget import AgreementRate, CostModel, best_prefix
+from rag_speculate.budget import AgreementRate, CostModel, MatchAgreement, best_prefix
+from rag_speculate.tree import DraftTree
+from rag_speculate.verify import Verification
 
 # Measured on the project's CPU for the 1.5B target (docs/benchmarks.md), seconds.
 BF16 = CostModel({1: 0.243, 2: 0.375, 5: 0.9, 9: 1.291, 17: 2.508})
@@ -24,15 +26,33 @@ def test_cost_model_interpolates_extrapolates_and_follows_observations():
     assert FP32_copy(5) == pytest.approx(0.5)
 
 
+def chain(rate: float) -> list[float]:
+    return [rate**depth for depth in range(1, 17)]
+
+
 def test_prefix_follows_costs_and_agreement():
-    chain_scores, chain_depths = [1.0] * 16, list(range(1, 17))
     # A reliable chain pays in full when 17 tokens cost 2.8 single steps (fp32) ...
-    assert best_prefix(chain_scores, chain_depths, 0.95, FP32) == 16
+    assert best_prefix(chain(0.95), FP32) == 16
     # ... but in bf16, where each token costs ~150 ms more, only a short prefix does.
-    assert 0 < best_prefix(chain_scores, chain_depths, 0.95, BF16) < 16
+    assert 0 < best_prefix(chain(0.95), BF16) < 16
     # A target that rarely follows the drafts: plain decoding is fastest.
-    assert best_prefix(chain_scores, chain_depths, 0.3, FP32) == 0
-    assert best_prefix([0.1] * 16, chain_depths, 0.95, BF16) == 0
+    assert best_prefix(chain(0.3), FP32) == 0
+    assert best_prefix([0.1] * 16, BF16) == 0
+
+
+def test_match_agreement_learns_per_match_length():
+    agreement = MatchAgreement()
+    # Longer context matches start from a more confident prior.
+    assert agreement.rate(1) < agreement.rate(2) < agreement.rate(3) <= agreement.rate(16)
+    tree = DraftTree([5, 6], [-1, 0])
+    before = agreement.rate(3)
+    agreement.observe(Verification(tree, [], [7], [7, 6, 0]))  # rejected at the first token
+    assert agreement.rate(3) < before
+    assert agreement.rate(2) == pytest.approx(0.7)
+    # Nothing verified (the engine dropped the draft): no evidence either way.
+    after = agreement.rate(3)
+    agreement.observe(Verification(DraftTree.empty(), [], [7], [7]))
+    assert agreement.rate(3) == after
 
 
 def test_agreement_rate_learns_and_forgets():

@@ -27,17 +27,20 @@ def frequency_trie(continuations: Iterable[Iterable[int]]) -> Trie:
     return trie
 
 
-def best_subtree(trie: Trie, budget: int, source: str) -> DraftTree:
-    """The `budget` most frequent nodes of `trie` as a draft tree whose nodes all come from `source`."""
+def best_subtree(trie: Trie, budget: int, source: str, agreement: float = 1.0) -> DraftTree:
+    """The `budget` most frequent nodes of `trie` as a draft tree whose nodes all come from `source`.
+
+    A node's score, the chance the target accepts it, is the share of continuations agreeing
+    with its path times `agreement ** depth` (how often the target follows such drafts per token).
+    """
     # A child is never more frequent than its parent, so popping the most frequent frontier
     # node yields the top-`budget` nodes as a connected tree; `order` breaks ties by insertion.
     heap = [(-count, order, token, ROOT, children) for order, (token, (count, children)) in enumerate(trie.items())]
     heapq.heapify(heap)
-    # The share of retrieved continuations that agree with a node's path estimates how likely
-    # the target is to accept it.
     total = sum(count for count, _ in trie.values())
     tokens: list[int] = []
     parents: list[int] = []
+    depths: list[int] = []
     scores: list[float] = []
     order = len(heap)
     while heap and len(tokens) < budget:
@@ -45,7 +48,8 @@ def best_subtree(trie: Trie, budget: int, source: str) -> DraftTree:
         index = len(tokens)
         tokens.append(token)
         parents.append(parent)
-        scores.append(-negative_count / total)
+        depths.append(1 if parent == ROOT else depths[parent] + 1)
+        scores.append(-negative_count / total * agreement ** depths[-1])
         for child_token, (count, grandchildren) in children.items():
             heapq.heappush(heap, (-count, order, child_token, index, grandchildren))
             order += 1

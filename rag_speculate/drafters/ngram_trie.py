@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import takewhile
 
+from ..budget import MatchAgreement
 from ..errors import InvalidArgumentError
 from ..tree import DraftTree
+from ..verify import Verification
 from .base import DraftContext, Drafter
 from .frequency_trie import best_subtree, frequency_trie
 
@@ -43,6 +45,7 @@ class NGramTrieDrafter(Drafter):
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._output_start = self._output_indexed = 0
+        self._agreement = MatchAgreement()
 
     def start(self, context: DraftContext) -> None:
         self._tokens = []
@@ -81,7 +84,7 @@ class NGramTrieDrafter(Drafter):
             # An occurrence with nothing after it (the tail of the output itself) cannot draft.
             starts = [s for s in self._index.get(tuple(tokens[-k:]), ()) if s < len(all_tokens) and all_tokens[s] != _SEPARATOR]
             if starts:
-                return self._best_subtree(starts[-self.max_occurrences :], self.n - k, budget)
+                return self._best_subtree(starts[-self.max_occurrences :], self.n - k, budget, self._agreement.rate(k))
         return DraftTree.empty()
 
     def _index_output(self, tokens: Sequence[int]) -> None:
@@ -90,10 +93,13 @@ class NGramTrieDrafter(Drafter):
         self._output_indexed += len(new)
         self._extend(new)
 
-    def _best_subtree(self, starts: list[int], length: int, budget: int) -> DraftTree:
+    def observe(self, verification: Verification) -> None:
+        self._agreement.observe(verification)
+
+    def _best_subtree(self, starts: list[int], length: int, budget: int, agreement: float) -> DraftTree:
         """Frequency trie of the continuations, pruned to the `budget` most frequent nodes."""
         continuations = (takewhile(_not_separator, self._tokens[start : start + length]) for start in starts)
-        return best_subtree(frequency_trie(continuations), budget, self.name)
+        return best_subtree(frequency_trie(continuations), budget, self.name, agreement)
 
 
 def _not_separator(token: int) -> bool:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..budget import MatchAgreement
 from ..datastore import Datastore, DatastoreError, check_retrieval_arguments
 from ..tree import DraftTree
+from ..verify import Verification
 from .base import DraftContext, Drafter
 from .frequency_trie import best_subtree, frequency_trie
 
@@ -25,6 +27,7 @@ class RESTDrafter(Drafter):
         self.n_max = n_max
         self.m = m
         self.max_matches = max_matches
+        self._agreement = MatchAgreement()
 
     def start(self, context: DraftContext) -> None:
         if self.datastore.vocab_size > context.vocab_size:
@@ -37,4 +40,10 @@ class RESTDrafter(Drafter):
         if budget < 1:
             return DraftTree.empty()
         retrieval = self.datastore.retrieve(tokens, n_max=self.n_max, m=self.m, max_matches=self.max_matches)
-        return best_subtree(frequency_trie(retrieval.continuations), budget, self.name)
+        if not retrieval.continuations:
+            return DraftTree.empty()
+        agreement = self._agreement.rate(retrieval.match_length)
+        return best_subtree(frequency_trie(retrieval.continuations), budget, self.name, agreement)
+
+    def observe(self, verification: Verification) -> None:
+        self._agreement.observe(verification)
