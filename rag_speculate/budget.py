@@ -37,9 +37,11 @@ _AGREEMENT_MEMORY = 0.95
 class CostModel:
     """Seconds per target forward as a function of q, interpolated between timed sizes."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], *, learn: bool = True):
         self._sizes = sorted(seconds)
         self._seconds = [seconds[q] for q in self._sizes]
+        # learn=False pins the curve, so drafting choices do not depend on timing noise (tests).
+        self.learn = learn
 
     @classmethod
     def measure(cls, forward: Callable[[int], None], max_q: int) -> CostModel:
@@ -62,6 +64,8 @@ class CostModel:
         return float(np.interp(q, sizes, seconds))
 
     def observe(self, q: int, seconds: float) -> None:
+        if not self.learn:
+            return
         i = bisect.bisect_left(self._sizes, q)
         if i < len(self._sizes) and self._sizes[i] == q:
             self._seconds[i] = _COST_MEMORY * self._seconds[i] + (1 - _COST_MEMORY) * seconds
@@ -110,6 +114,9 @@ class MatchAgreement:
         key = min(match_length, max(_MATCH_PRIORS))
         if key not in self._rates:
             self._rates[key] = AgreementRate(prior=_MATCH_PRIORS[key])
+        # Evidence fades with every step, drafted or not, so a match length whose drafts stopped
+        # paying is tried again later in the generation.
+        self._rates[key].observe(0, 0)
         self._pending = key
         return self._rates[key].rate
 

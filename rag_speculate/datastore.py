@@ -39,6 +39,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from .errors import InvalidArgumentError, RagSpeculateError
+from .files import fsync_dir, sha256_file
 
 FORMAT_VERSION = 1
 _FORMAT = "rag-speculate-datastore"
@@ -51,7 +52,6 @@ _INT32_MAX = int(np.iinfo(np.int32).max)  # token ids and positions are stored a
 # Below this many candidates one vectorised gather beats more steps of a Python binary search.
 _GATHER_LIMIT = 256
 _SLICE = 1 << 16
-_HASH_CHUNK = 1 << 24
 _REBUILD_HINT = "rebuild it with Datastore.from_texts(texts, tokenizer).save(path)"
 
 
@@ -270,7 +270,7 @@ class Datastore:
                 "arrays": arrays,
             }
             _write_file(staging / _HEADER, json.dumps(header, indent=2).encode())
-            _fsync_dir(staging)
+            fsync_dir(staging)
             _replace_dir(staging, path)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -402,7 +402,7 @@ def _write_array(file: Path, array: np.ndarray) -> dict[str, Any]:
         np.save(out, array, allow_pickle=False)
         out.flush()
         os.fsync(out.fileno())
-    return {"dtype": array.dtype.str, "shape": list(array.shape), "bytes": file.stat().st_size, "sha256": _sha256(file)}
+    return {"dtype": array.dtype.str, "shape": list(array.shape), "bytes": file.stat().st_size, "sha256": sha256_file(file)}
 
 
 def _write_file(file: Path, data: bytes) -> None:
@@ -426,26 +426,9 @@ def _replace_dir(staging: Path, path: Path) -> None:
             os.rename(old, path)
             raise
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
-    # Makes the files and renames durable; directories cannot be opened this way on Windows.
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with file.open("rb") as src:
-        while chunk := src.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -487,7 +470,7 @@ def _load_array(path: Path, name: str, spec: dict[str, Any], verify: bool) -> np
         raise _damaged(path, f"{file.name} is not a readable array ({error})") from None
     if array.dtype != np.int32 or array.ndim != 1 or list(array.shape) != spec["shape"]:
         raise _damaged(path, f"{file.name} holds {array.dtype} {array.shape}, not int32 {tuple(spec['shape'])}")
-    if verify and _sha256(file) != spec["sha256"]:
+    if verify and sha256_file(file) != spec["sha256"]:
         raise _damaged(path, f"{file.name} does not match its checksum (corrupted on disk)")
     # A plain ndarray over the mapping: indexing a np.memmap subclass is slower on the search path.
     return array.view(np.ndarray)

@@ -81,8 +81,9 @@ class SpeculativeEngine:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        # Timed on first use (not here: building an engine should stay cheap).
-        self._costs: CostModel | None = None
+        # Forward cost by tokens fed, timed on first use (building an engine should stay cheap);
+        # assign one to skip the timing or to pin the curve.
+        self.cost_model: CostModel | None = None
         # One generation at a time: the model's forward and the drafter's state are not shared-safe.
         self._lock = threading.Lock()
         # Callers validate and tokenize before taking the generation lock, so the cache has its own.
@@ -210,9 +211,9 @@ class SpeculativeEngine:
         return generator
 
     def _cost_model(self, tree_mode: bool) -> CostModel:
-        if self._costs is None:
-            self._costs = CostModel.measure(self._verifier.timed_forward(tree_mode), self.draft_budget + 1)
-        return self._costs
+        if self.cost_model is None:
+            self.cost_model = CostModel.measure(self._verifier.timed_forward(tree_mode), self.draft_budget + 1)
+        return self.cost_model
 
     def _tree_mode(self, cache, request: _Request) -> bool:
         """Tree verification, unless the model cannot, or a sliding window would outgrow its past."""

@@ -46,7 +46,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rag_speculate.errors import InvalidArgumentError, ModelPackageError
+from .errors import InvalidArgumentError, ModelPackageError
+from .files import fsync_dir, sha256_file
 
 __all__ = [
     "PACKAGED_MODELS",
@@ -181,7 +182,7 @@ def gguf_path(name: str | PackagedModel, *, progress: Progress | None = None) ->
         if _marker_matches(marker, target, spec.sha256):
             return target
         _report(progress, f"verifying sha256 of {target.name}")
-        actual = _sha256_file(target)
+        actual = sha256_file(target)
         if actual != spec.sha256:
             raise _checksum_error(spec, actual)
     _write_marker(marker, target, spec.sha256)
@@ -305,15 +306,8 @@ def _assemble(parts: list[Path], target: Path, spec: PackagedModel) -> None:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as src:
-        while chunk := src.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _file_identity(path: Path) -> dict[str, Any]:
@@ -355,16 +349,6 @@ def _temp_sibling(path: Path) -> Path:
     """
     return path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
 
-
-def _fsync_dir(path: Path) -> None:
-    # Makes a rename durable; directories cannot be opened this way on Windows.
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- the converted safetensors cache --------------------------------------
@@ -482,7 +466,7 @@ def _write_converted(
         files = {}
         for path in sorted(tmp.iterdir()):
             _fsync_file(path)
-            files[path.name] = {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+            files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
         manifest = {
             "format_version": CACHE_FORMAT_VERSION,
             "model": spec.name,
@@ -491,7 +475,7 @@ def _write_converted(
             "files": files,
         }
         _atomic_write_text(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _swap_in(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -575,4 +559,4 @@ def _swap_in(tmp: Path, folder: Path) -> None:
             raise
         logger.info("model cache %s was written concurrently; keeping that copy", folder)
     shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(folder.parent)
+    fsync_dir(folder.parent)

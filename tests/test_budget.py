@@ -49,10 +49,11 @@ def test_match_agreement_learns_per_match_length():
     agreement.observe(Verification(tree, [], [7], [7, 6, 0]))  # rejected at the first token
     assert agreement.rate(3) < before
     assert agreement.rate(2) == pytest.approx(0.7)
-    # Nothing verified (the engine dropped the draft): no evidence either way.
-    after = agreement.rate(3)
+    # Nothing verified (the engine dropped the draft): no trial recorded.
+    agreement.rate(3)
+    trials = agreement._rates[3]._trials
     agreement.observe(Verification(DraftTree.empty(), [], [7], [7]))
-    assert agreement.rate(3) == after
+    assert agreement._rates[3]._trials == trials
 
 
 def test_agreement_rate_learns_and_forgets():
@@ -73,7 +74,7 @@ def test_engine_stops_drafting_when_drafts_do_not_pay_and_stays_lossless(tokeniz
     reference = hf_greedy(model, ids, 40)
     engine = SpeculativeEngine(model, tokenizer)
     # Every extra token costs a whole forward: no draft can pay.
-    engine._costs = CostModel({1: 1.0, 2: 2.0, 17: 17.0})
+    engine.cost_model = CostModel({1: 1.0, 2: 2.0, 17: 17.0})
     result = engine.generate(ids, documents=[reference], max_new_tokens=40)
     assert result.token_ids == reference
     assert sum(result.stats.drafted_tokens.values()) == 0

@@ -133,7 +133,7 @@ def test_verified_file_is_not_rehashed(monkeypatch: pytest.MonkeyPatch, tmp_path
     def no_hashing(_: Path) -> str:
         raise AssertionError("verified file was hashed again")
 
-    monkeypatch.setattr(models, "_sha256_file", no_hashing)
+    monkeypatch.setattr(models, "sha256_file", no_hashing)
     assert gguf_path(SMOL) == path
 
 

@@ -50,6 +50,8 @@ class NGramTrieDrafter(Drafter):
     def start(self, context: DraftContext) -> None:
         self._tokens = []
         self._index = {}
+        # Each query brings other documents: how well they predict the answer is learnt afresh.
+        self._agreement = MatchAgreement()
         for segment in (*context.document_ids, context.prompt_ids):
             self._add_segment(segment)
         # The output forms one more segment, indexed as it grows.

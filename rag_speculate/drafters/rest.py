@@ -30,6 +30,7 @@ class RESTDrafter(Drafter):
         self._agreement = MatchAgreement()
 
     def start(self, context: DraftContext) -> None:
+        self._agreement = MatchAgreement()
         if self.datastore.vocab_size > context.vocab_size:
             raise DatastoreError(
                 f"the datastore's vocabulary ({self.datastore.vocab_size} ids) is larger than the model's "

@@ -25,7 +25,12 @@ COUNT_PROMPT = f"Numbers: {COUNT_DOCUMENT[:30]}"
 
 @pytest.fixture(scope="session")
 def engine():
+    from rag_speculate.budget import CostModel
     from rag_speculate.serving import shared_engine
 
     # The same cache entry the standard suites' ChatSpeculativeHF(model=MODEL, dtype=DTYPE) resolves to.
-    return shared_engine(MODEL, dtype=DTYPE, device="cpu", draft_budget=None)
+    engine = shared_engine(MODEL, dtype=DTYPE, device="cpu", draft_budget=None)
+    # A pinned cost curve (the shape measured for this model here) keeps drafting choices, and so
+    # the stats these tests compare, independent of the shared machine's timing noise.
+    engine.cost_model = CostModel({1: 0.05, 2: 0.085, 5: 0.095, 17: 0.135}, learn=False)
+    return engine

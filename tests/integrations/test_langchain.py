@@ -184,7 +184,8 @@ def test_documents_raise_tokens_per_forward_when_the_template_trims_them(engine)
     assert answers["a"] == answers["b"] == answers["c"]  # lossless: the same text, only in fewer forwards
     assert rag["documents"][0].metadata["title"] == "counting" and rag["question"] == "count"
     tokens_per_forward = {way: run.info["speculative_stats"]["tokens_per_forward"] for way, run in runs.items()}
-    assert tokens_per_forward["b"] == tokens_per_forward["c"] > 1.5 * tokens_per_forward["a"]
+    # Each step verifies what pays for its measured cost, so (b) and (c) need not draft identically.
+    assert min(tokens_per_forward["b"], tokens_per_forward["c"]) > 1.5 * tokens_per_forward["a"]
 
 
 def test_rag_chain_streams_and_drafts_from_pretokenized_documents(engine):
