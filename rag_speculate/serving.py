@@ -38,6 +38,18 @@ def shared_engine(model: str, *, dtype: str, device: str, draft_budget: int | No
         return _engines[key]
 
 
+def check_call_arguments(owner: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
+    """Reject per-call arguments an adapter would otherwise silently ignore, naming them."""
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"{owner} got unsupported argument(s) {', '.join(map(repr, unknown))}; "
+            f"per-call arguments are {', '.join(allowed)}"
+        )
+    if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
+        raise TypeError("pass max_new_tokens or its alias max_tokens, not both")
+
+
 def token_usage(stats: GenerationStats) -> dict[str, int]:
     return {
         "prompt_tokens": stats.prompt_tokens,

@@ -10,7 +10,7 @@ from langchain_core.language_models import LangSmithParams
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from rag_speculate import GenerationResult, SpeculativeEngine
-from rag_speculate.serving import DTYPES, TOKEN_IDS_KEY, shared_engine, token_usage
+from rag_speculate.serving import DTYPES, TOKEN_IDS_KEY, check_call_arguments, shared_engine, token_usage
 
 # LangSmith groups runs by provider; LangChain partner packages use their package's suffix.
 PROVIDER = "rag_speculate"
@@ -111,14 +111,8 @@ class SpeculativeHFParams(BaseModel):
 
     def _generation_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The engine's keyword arguments for one call: the settings, overridden by what the call passed."""
-        unknown = sorted(set(kwargs) - set(CALL_ARGUMENTS))
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__} got unsupported argument(s) {', '.join(map(repr, unknown))}; "
-                f"per-call arguments are stop, {', '.join(CALL_ARGUMENTS)}"
-            )
-        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
-            raise TypeError("pass max_tokens or its alias max_new_tokens, not both")
+        # stop arrives as its own parameter in LangChain, so it is allowed here too.
+        check_call_arguments(type(self).__name__, kwargs, ("stop", *CALL_ARGUMENTS))
         return {
             "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),

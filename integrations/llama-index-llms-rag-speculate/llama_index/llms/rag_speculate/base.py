@@ -27,7 +27,7 @@ from llama_index.core.types import TokenAsyncGen, TokenGen
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from rag_speculate import GenerationResult, GenerationStream, SpeculativeEngine
-from rag_speculate.serving import DTYPES, acollect, aiterate, collect, shared_engine, token_usage
+from rag_speculate.serving import DTYPES, acollect, aiterate, check_call_arguments, collect, shared_engine, token_usage
 
 from .documents import current_documents, drafter_documents, drafting_for_query
 
@@ -187,14 +187,7 @@ class SpeculativeHFLLM(CustomLLM):
         return self._start(chat, True, kwargs)
 
     def _start(self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any]) -> GenerationStream:
-        unknown = sorted(set(kwargs) - set(CALL_ARGUMENTS))
-        if unknown:
-            raise TypeError(
-                f"SpeculativeHFLLM got unsupported argument(s) {', '.join(map(repr, unknown))}; "
-                f"per-call arguments are {', '.join(CALL_ARGUMENTS)}"
-            )
-        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
-            raise TypeError("pass max_new_tokens or its alias max_tokens, not both")
+        check_call_arguments("SpeculativeHFLLM", kwargs, CALL_ARGUMENTS)
         documents = kwargs.get("documents")
         return self._engine.stream(
             prompt,
