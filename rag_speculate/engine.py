@@ -70,6 +70,7 @@ class SpeculativeEngine:
         self.drafter = drafter if drafter is not None else NGramTrieDrafter()
         self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.drafter.attach(tokenizer, self.vocab_size)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self._verifier = Verifier(model)

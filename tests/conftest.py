@@ -56,8 +56,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
     return model
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+def char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
     assert len(vocab) <= VOCAB
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

@@ -262,7 +262,14 @@ def test_bad_arguments_are_refused(tokenizer):
     with pytest.raises(InvalidArgumentError, match="token_ids has token id 50, outside"):
         datastore.append([1, 50])
     with pytest.raises(DatastoreError, match="larger than the model's"):
-        RESTDrafter(datastore).start(DraftContext([], [], 40))
+        SpeculativeEngine(tiny_model("llama", vocab_size=40), tokenizer, RESTDrafter(datastore))
+
+
+def test_an_engine_refuses_a_datastore_of_another_tokenizer(tokenizer):
+    other = char_tokenizer("abcdefghij ")
+    store = Datastore.from_texts(["abc def"], other)
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        SpeculativeEngine(tiny_model("llama"), tokenizer, RESTDrafter(store))
 
 
 # --- through the engine ---------------------------------------------------------------------

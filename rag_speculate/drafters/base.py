@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from ..tree import DraftTree
 from ..verify import Verification
 
@@ -27,6 +29,9 @@ class Drafter(ABC):
     """Base class: override `propose`, and `start` / `observe` when the drafter keeps state."""
 
     name: str = "drafter"
+
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        """The engine this drafter serves is being built: refuse a target whose token ids mean other text."""
 
     def start(self, context: DraftContext) -> None:
         """A new generation begins; drop per-generation state and index the context."""

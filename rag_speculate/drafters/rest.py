@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from transformers import PreTrainedTokenizerBase
+
 from ..budget import MatchAgreement
-from ..datastore import Datastore, DatastoreError, check_retrieval_arguments
+from ..datastore import Datastore, DatastoreError, check_retrieval_arguments, tokenizer_fingerprint
 from ..tree import DraftTree
 from ..verify import Verification
 from .base import DraftContext, Drafter
@@ -29,13 +31,21 @@ class RESTDrafter(Drafter):
         self.max_matches = max_matches
         self._agreement = MatchAgreement()
 
-    def start(self, context: DraftContext) -> None:
-        self._agreement = MatchAgreement()
-        if self.datastore.vocab_size > context.vocab_size:
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        fingerprint = self.datastore.fingerprint
+        if fingerprint is not None and fingerprint != tokenizer_fingerprint(tokenizer):
+            raise DatastoreError(
+                "the datastore was built with another tokenizer (its vocabulary or special tokens differ from "
+                "the model's), so its token ids mean other text; rebuild it with this model's tokenizer"
+            )
+        if self.datastore.vocab_size > vocab_size:
             raise DatastoreError(
                 f"the datastore's vocabulary ({self.datastore.vocab_size} ids) is larger than the model's "
-                f"({context.vocab_size}): it was built for another model; rebuild it with this model's tokenizer"
+                f"({vocab_size}): it was built for another model; rebuild it with this model's tokenizer"
             )
+
+    def start(self, context: DraftContext) -> None:
+        self._agreement = MatchAgreement()
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         if budget < 1:
