@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from .errors import InvalidArgumentError, RagSpeculateError
-from .files import fsync_dir, sha256_file
+from .files import fsync_dir, replace_dir, sha256_file, sibling, write_new_file
 
 FORMAT_VERSION = 1
 _FORMAT = "rag-speculate-datastore"
@@ -256,7 +255,7 @@ class Datastore:
         _check_replaceable(path)
         self._merge_appended()
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = _sibling(path, "tmp")
+        staging = sibling(path, "tmp")
         staging.mkdir()
         try:
             arrays = {name: _write_array(staging / f"{name}.npy", getattr(self._main, name)) for name in _ARRAYS}
@@ -269,9 +268,9 @@ class Datastore:
                 "tokens": self.num_tokens,
                 "arrays": arrays,
             }
-            _write_file(staging / _HEADER, json.dumps(header, indent=2).encode())
+            write_new_file(staging / _HEADER, json.dumps(header, indent=2).encode())
             fsync_dir(staging)
-            _replace_dir(staging, path)
+            replace_dir(staging, path)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -392,43 +391,12 @@ def _check_replaceable(path: Path) -> None:
         raise DatastoreError(f"{path} exists and is not a datastore; refusing to replace it (choose another path)")
 
 
-def _sibling(path: Path, kind: str) -> Path:
-    """A unique hidden name beside `path`, so renaming it into place stays on one filesystem."""
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex}.{kind}")
-
-
 def _write_array(file: Path, array: np.ndarray) -> dict[str, Any]:
     with file.open("xb") as out:
         np.save(out, array, allow_pickle=False)
         out.flush()
         os.fsync(out.fileno())
     return {"dtype": array.dtype.str, "shape": list(array.shape), "bytes": file.stat().st_size, "sha256": sha256_file(file)}
-
-
-def _write_file(file: Path, data: bytes) -> None:
-    with file.open("xb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def _replace_dir(staging: Path, path: Path) -> None:
-    if not path.exists():
-        os.rename(staging, path)
-    else:
-        # A directory cannot be renamed over a non-empty one: move the old one aside first, and
-        # back if the new one cannot take its place.
-        old = _sibling(path, "old")
-        os.rename(path, old)
-        try:
-            os.rename(staging, path)
-        except BaseException:
-            os.rename(old, path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(path.parent)
-
-
 
 
 def _read_header(path: Path) -> dict[str, Any]:

