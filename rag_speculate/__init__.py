@@ -1,7 +1,7 @@
 """rag-speculate: lossless speculative decoding for RAG, drafting from what the pipeline retrieved."""
 
 from .datastore import Datastore, DatastoreError
-from .drafters import DraftContext, Drafter, NGramTrieDrafter, RESTDrafter
+from .drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter, RESTDrafter
 from .engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
 from .errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
 from .result import GenerationResult, GenerationStats, GenerationStream
@@ -10,6 +10,7 @@ from .verify import Verification
 
 __all__ = [
     "DEFAULT_DRAFT_BUDGET",
+    "CombinedDrafter",
     "Datastore",
     "DatastoreError",
     "DraftContext",

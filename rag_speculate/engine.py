@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .budget import CostModel, best_prefix
-from .drafters import DraftContext, Drafter, NGramTrieDrafter
+from .drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
 from .errors import InvalidArgumentError, RagSpeculateError
 from .output import OutputTracker
 from .result import GenerationResult, GenerationStats, GenerationStream
@@ -56,7 +56,7 @@ class SpeculativeEngine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        drafter: Drafter | None = None,
+        drafter: Drafter | Sequence[Drafter] | None = None,
         *,
         draft_budget: int | None = None,
         name: str | None = None,
@@ -67,7 +67,7 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         # How users and tracing know this model: the name it was loaded by, else its config's.
         self.name = name or Path(str(model.config.name_or_path or type(model).__name__)).name
-        self.drafter = drafter if drafter is not None else NGramTrieDrafter()
+        self.drafter = _one_drafter(drafter)
         self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.drafter.attach(tokenizer, self.vocab_size)
@@ -98,7 +98,7 @@ class SpeculativeEngine:
         *,
         dtype: torch.dtype | None = None,
         device: str = "cpu",
-        drafter: Drafter | None = None,
+        drafter: Drafter | Sequence[Drafter] | None = None,
         draft_budget: int | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> SpeculativeEngine:
@@ -298,6 +298,17 @@ class SpeculativeEngine:
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
                 f"exceeds the model's position limit of {self.max_positions}"
             )
+
+
+def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
+    """The n-gram trie by default; several drafters compete in one tree."""
+    if drafter is None:
+        return NGramTrieDrafter()
+    if isinstance(drafter, Drafter):
+        return drafter
+    if isinstance(drafter, Sequence) and not isinstance(drafter, str):
+        return drafter[0] if len(drafter) == 1 and isinstance(drafter[0], Drafter) else CombinedDrafter(drafter)
+    raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
 
 
 def _sampling_params(temperature: float, top_p: float, top_k: int) -> SamplingParams:

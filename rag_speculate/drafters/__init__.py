@@ -1,7 +1,8 @@
 """Drafters propose what the target model verifies; see `base.Drafter` for the interface."""
 
 from .base import DraftContext, Drafter
+from .combined import CombinedDrafter
 from .ngram_trie import NGramTrieDrafter
 from .rest import RESTDrafter
 
-__all__ = ["DraftContext", "Drafter", "NGramTrieDrafter", "RESTDrafter"]
+__all__ = ["CombinedDrafter", "DraftContext", "Drafter", "NGramTrieDrafter", "RESTDrafter"]

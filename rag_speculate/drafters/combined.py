@@ -1,0 +1,196 @@
+"""One draft tree from several drafters, under one budget.
+
+Every drafter proposes; equal paths merge into one node; the `budget` nodes with the best
+acceptance estimates are kept (a node never ranks above its parent, so the kept nodes form a
+tree). Each drafter then sees the verification of its own nodes only, as if it had drafted alone,
+so the rates it learns stay its own.
+
+Estimates are only as good as each drafter's calibration, and drafting time is not free: a
+drafter that runs a model can cost a third of a target forward per proposal on a CPU. So the
+combined drafter keeps, per drafter and across generations, how its estimates compare with what
+was accepted (and rescales them), and how many tokens per second the steps yield with it against
+without it (the tokens the other drafters' trees would have covered, over the time without its
+drafting). A drafter that does not pay is skipped, and tried again now and then.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import InvalidArgumentError
+from ..tree import ROOT, DraftTree
+from ..verify import Verification
+from .base import DraftContext, Drafter
+
+_MEMORY = 0.9  # weight of the past in the running averages below
+_CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1.0
+_RETRY_EVERY = 16  # steps between retries of a skipped drafter
+
+Path = tuple[int, ...]
+
+
+class _Ledger:
+    """What one drafter has earned: calibration of its estimates, and its time against its tokens."""
+
+    def __init__(self) -> None:
+        self.expected = 0.0
+        self.accepted = 0.0
+        self.propose_s = 0.0
+        self.with_tokens = self.without_tokens = 0.0
+        self.samples = 0
+        self.skipped_for = 0
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + _CALIBRATION_PRIOR) / (self.expected + _CALIBRATION_PRIOR)
+
+    def pays(self, target_s: float, others_s: float) -> bool:
+        """Whether steps with this drafter yield more tokens per second than without it."""
+        if self.samples < 2:
+            return True
+        with_speed = (1 + self.with_tokens) / (target_s + others_s + self.propose_s)
+        return with_speed >= (1 + self.without_tokens) / (target_s + others_s)
+
+
+def _average(old: float, new: float, first: bool) -> float:
+    return new if first else _MEMORY * old + (1 - _MEMORY) * new
+
+
+class CombinedDrafter(Drafter):
+    name = "combined"
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        drafters = list(drafters)
+        if not drafters or not all(isinstance(d, Drafter) for d in drafters):
+            raise InvalidArgumentError("CombinedDrafter needs a non-empty list of drafters")
+        names = [d.name for d in drafters]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"drafter names must be distinct to credit their tokens, got {names}")
+        self.drafters = drafters
+        self._ledgers = {d.name: _Ledger() for d in drafters}
+        self._target_s = 0.0
+        self._proposals: dict[str, tuple[DraftTree, list[Path]]] = {}
+        self._proposed_at = 0.0
+
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        for drafter in self.drafters:
+            drafter.attach(tokenizer, vocab_size)
+
+    def start(self, context: DraftContext) -> None:
+        for drafter in self.drafters:
+            drafter.start(context)
+
+    def active(self) -> list[Drafter]:
+        """The drafters that pay for their drafting time now (or are due for a retry)."""
+        total_s = sum(self._ledgers[d.name].propose_s for d in self.drafters)
+        chosen = []
+        for drafter in self.drafters:
+            ledger = self._ledgers[drafter.name]
+            if ledger.pays(self._target_s, total_s - ledger.propose_s) or ledger.skipped_for >= _RETRY_EVERY:
+                ledger.skipped_for = 0
+                chosen.append(drafter)
+            else:
+                ledger.skipped_for += 1
+        return chosen
+
+    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        self._proposals = {}
+        for drafter in self.active():
+            started = time.perf_counter()
+            tree = drafter.propose(tokens, budget)
+            ledger = self._ledgers[drafter.name]
+            ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples == 0)
+            self._proposals[drafter.name] = (tree, _paths(tree))
+        merged = self._merge(budget)
+        self._proposed_at = time.perf_counter()
+        return merged
+
+    def _merge(self, budget: int) -> DraftTree:
+        """The `budget` best nodes of all proposals, equal paths merged, best first."""
+        best: dict[Path, tuple[float, str]] = {}
+        for name, (tree, paths) in self._proposals.items():
+            calibration = self._ledgers[name].calibration
+            for i, path in enumerate(paths):
+                score = min(1.0, (tree.scores[i] if tree.scores else 0.5) * calibration)
+                if path not in best or score > best[path][0]:
+                    best[path] = (score, tree.source(i) or name)
+        children: dict[Path, list[Path]] = {}
+        for path in best:
+            children.setdefault(path[:-1], []).append(path)
+        tokens, parents, sources, scores = [], [], [], []
+        index: dict[Path, int] = {(): ROOT}
+        heap = [(-best[p][0], p) for p in children.get((), [])]
+        heapq.heapify(heap)
+        while heap and len(tokens) < budget:
+            negative, path = heapq.heappop(heap)
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+            sources.append(best[path][1])
+            scores.append(-negative)
+            for child in children.get(path, []):
+                # Never above its parent: the engine keeps a prefix of this list, which must stay a tree.
+                heapq.heappush(heap, (max(negative, -best[child][0]), child))
+        return DraftTree(tokens, parents, sources, scores)
+
+    def observe(self, verification: Verification) -> None:
+        self._target_s = _average(self._target_s, time.perf_counter() - self._proposed_at, self._target_s == 0)
+        verified = {path: i for i, path in enumerate(_paths(verification.tree))}
+        accepted = tuple(verification.accepted_tokens[:-1])
+        coverage = {name: _covered(accepted, set(paths)) for name, (_, paths) in self._proposals.items()}
+        for name, (tree, paths) in self._proposals.items():
+            ledger = self._ledgers[name]
+            projected, kept = _project(verification, tree, paths, verified, accepted)
+            if tree.scores:
+                calibration = ledger.calibration
+                ledger.expected = _MEMORY * ledger.expected + sum(min(1.0, tree.scores[i] * calibration) for i in kept)
+                ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
+            without = max((c for other, c in coverage.items() if other != name), default=0)
+            first = ledger.samples == 0
+            ledger.with_tokens = _average(ledger.with_tokens, len(accepted), first)
+            ledger.without_tokens = _average(ledger.without_tokens, without, first)
+            ledger.samples += 1
+            self._drafter(name).observe(projected)
+
+    def _drafter(self, name: str) -> Drafter:
+        return next(d for d in self.drafters if d.name == name)
+
+
+def _project(verification: Verification, tree: DraftTree, paths: list[Path], verified: dict[Path, int], accepted: Path) -> tuple[Verification, list[int]]:
+    """The verification as one drafter would have seen it alone, and which of its nodes were verified."""
+    kept = [i for i, path in enumerate(paths) if path in verified]
+    position = {old: new for new, old in enumerate(kept)}
+    sub = DraftTree(
+        [tree.tokens[i] for i in kept],
+        [ROOT if tree.parents[i] == ROOT else position[tree.parents[i]] for i in kept],
+        [tree.sources[i] for i in kept] if tree.sources else [],
+        [tree.scores[i] for i in kept] if tree.scores else [],
+    )
+    # Of duplicate siblings the first is the one verification follows (DraftTree.children).
+    first = {}
+    for i in kept:
+        first.setdefault(paths[i], i)
+    on_path = [position[i] for path, i in first.items() if path == accepted[: len(path)]]
+    target_tokens = [verification.target_tokens[0]] + [verification.target_tokens[verified[paths[i]] + 1] for i in kept]
+    # After this drafter's last accepted node the target emitted the next token of the full path.
+    emitted = [sub.tokens[i] for i in on_path] + [verification.accepted_tokens[len(on_path)]]
+    return Verification(sub, on_path, emitted, target_tokens), kept
+
+
+def _paths(tree: DraftTree) -> list[Path]:
+    paths: list[Path] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((*(paths[parent] if parent != ROOT else ()), token))
+    return paths
+
+
+def _covered(accepted: Path, paths: set[Path]) -> int:
+    """How many accepted tokens a tree with these paths would have had accepted."""
+    n = 0
+    while n < len(accepted) and accepted[: n + 1] in paths:
+        n += 1
+    return n

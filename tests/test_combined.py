@@ -1,0 +1,147 @@
+"""The combined drafter: one tree from several drafters, lossless, credited per source, skipping what does not pay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+from conftest import VOCAB, hf_greedy, tiny_model
+from drafters_for_tests import RandomTreeDrafter
+
+from rag_speculate import (
+    CombinedDrafter,
+    Datastore,
+    DraftContext,
+    Drafter,
+    DraftTree,
+    InvalidArgumentError,
+    NGramTrieDrafter,
+    RESTDrafter,
+    SpeculativeEngine,
+    Verification,
+)
+from rag_speculate.budget import CostModel
+
+
+class FixedDrafter(Drafter):
+    """Proposes the same tree every step, and records what it is told."""
+
+    def __init__(self, name: str, tree: DraftTree, delay_s: float = 0.0):
+        self.name, self.tree, self.delay_s = name, tree, delay_s
+        self.seen: list[Verification] = []
+        self.proposals = 0
+
+    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        self.proposals += 1
+        time.sleep(self.delay_s)
+        return self.tree
+
+    def observe(self, verification: Verification) -> None:
+        self.seen.append(verification)
+
+
+def paths_of(tree: DraftTree) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((*(paths[parent] if parent != -1 else ()), token))
+    return paths
+
+
+def flat_cost_engine(model, tokenizer, drafter) -> SpeculativeEngine:
+    engine = SpeculativeEngine(model, tokenizer, drafter)
+    engine.cost_model = CostModel({1: 1.0, 65: 1.0}, learn=False)
+    return engine
+
+
+def test_equal_paths_merge_and_the_best_estimates_win():
+    a = FixedDrafter("a", DraftTree([5, 6, 7], [-1, 0, 1], ["a"] * 3, [0.9, 0.8, 0.3]))
+    b = FixedDrafter("b", DraftTree([5, 9, 8], [-1, 0, -1], ["b"] * 3, [0.5, 0.7, 0.6]))
+    combined = CombinedDrafter([a, b])
+    tree = combined.propose([1, 2], budget=4)
+    assert dict(zip(paths_of(tree), tree.scores)) == pytest.approx({(5,): 0.9, (5, 6): 0.8, (5, 9): 0.7, (8,): 0.6})
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    assert tree.sources == ["a", "a", "b", "b"]
+
+
+def test_a_child_never_ranks_above_its_parent():
+    a = FixedDrafter("a", DraftTree([5, 6], [-1, 0], ["a"] * 2, [0.2, 0.2]))
+    b = FixedDrafter("b", DraftTree([5, 6, 7], [-1, 0, 1], ["b"] * 3, [0.1, 0.9, 0.9]))
+    tree = CombinedDrafter([a, b]).propose([1], budget=3)
+    assert tree.tokens == [5, 6, 7] and tree.parents == [-1, 0, 1]
+    for prefix in range(1, 4):
+        assert len(tree.truncated(prefix, 99)) == prefix
+
+
+def test_each_drafter_sees_the_verification_of_its_own_nodes():
+    a = FixedDrafter("a", DraftTree([5, 6], [-1, 0], ["a"] * 2, [0.9, 0.8]))
+    b = FixedDrafter("b", DraftTree([7, 5, 6, 4], [-1, -1, 1, 2], ["b"] * 4, [0.1, 0.5, 0.4, 0.3]))
+    combined = CombinedDrafter([a, b])
+    merged = combined.propose([1], budget=8)
+    # The target accepts 5, 6 and then says 3; it would have said 2 after 7 and 9 after 4.
+    targets_by_path = {(): 5, (5,): 6, (5, 6): 3, (7,): 2, (5, 6, 4): 9}
+    paths = paths_of(merged)
+    target_tokens = [targets_by_path[()]] + [targets_by_path[p] for p in paths]
+    accepted = [paths.index((5,)), paths.index((5, 6))]
+    combined.observe(Verification(merged, accepted, [5, 6, 3], target_tokens))
+    (seen_a,), (seen_b,) = a.seen, b.seen
+    assert seen_a.tree.tokens == [5, 6] and seen_a.accepted_nodes == [0, 1] and seen_a.accepted_tokens == [5, 6, 3]
+    assert seen_a.target_tokens == [5, 6, 3]
+    assert seen_b.tree.tokens == [7, 5, 6, 4] and seen_b.accepted_nodes == [1, 2] and seen_b.accepted_tokens == [5, 6, 3]
+    assert seen_b.target_tokens == [5, 2, 6, 3, 9]
+
+
+def test_a_slow_drafter_that_adds_nothing_is_skipped_and_retried():
+    good = FixedDrafter("good", DraftTree([5], [-1], ["good"], [0.9]))
+    slow = FixedDrafter("slow", DraftTree([8], [-1], ["slow"], [0.9]), delay_s=0.01)
+    combined = CombinedDrafter([good, slow])
+    for _ in range(40):
+        tree = combined.propose([1], budget=4)
+        time.sleep(0.002)  # the target's forward
+        combined.observe(Verification(tree, [tree.tokens.index(5)], [5, 3], [5] + [3] * len(tree)))
+    assert good.proposals == 40
+    assert 2 < slow.proposals < 10  # measured twice, then only retried
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_combined_drafters_match_generate(arch, tokenizer):
+    model = tiny_model(arch, seed=1)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+    reference = hf_greedy(model, ids, 48)
+    store = Datastore.build([reference[10:], tokenizer.encode("unrelated words about hats")], vocab_size=VOCAB)
+    drafters = [NGramTrieDrafter(), RESTDrafter(store), RandomTreeDrafter(VOCAB, reference, seed=3)]
+    engine = flat_cost_engine(model, tokenizer, drafters)
+    assert isinstance(engine.drafter, CombinedDrafter)
+    for documents in ([reference[:20]], None):
+        result = engine.generate(ids, documents=documents, max_new_tokens=48)
+        assert result.token_ids == reference
+        assert set(result.stats.accepted_tokens) <= {"ngram_trie", "rest", "random_tree"}
+        # Every forward emits one token of the target's own; an accepted EOS leaves its bonus unused.
+        stats = result.stats
+        assert stats.new_tokens - stats.target_forwards <= sum(stats.accepted_tokens.values()) <= stats.new_tokens - 1
+    assert result.stats.accepted_tokens["rest"] > 0
+
+
+def test_combined_sampling_is_reproducible(tokenizer):
+    model = tiny_model("llama", seed=3)
+    engine = flat_cost_engine(model, tokenizer, [NGramTrieDrafter(), RandomTreeDrafter(VOCAB, seed=1)])
+    ids = tokenizer.encode("a b a b a b")
+    runs = [engine.generate(ids, max_new_tokens=24, temperature=0.8, seed=7).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_bad_drafter_lists_are_refused(tokenizer):
+    with pytest.raises(InvalidArgumentError, match="non-empty list"):
+        CombinedDrafter([])
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        CombinedDrafter([NGramTrieDrafter(), NGramTrieDrafter()])
+    with pytest.raises(InvalidArgumentError, match="drafter must be a Drafter"):
+        SpeculativeEngine(tiny_model("llama"), tokenizer, "ngram_trie")
+
+
+def test_start_reaches_every_drafter():
+    a, b = FixedDrafter("a", DraftTree.empty()), FixedDrafter("b", DraftTree.empty())
+    started = []
+    a.start = b.start = started.append
+    CombinedDrafter([a, b]).start(DraftContext([1], [], VOCAB))
+    assert len(started) == 2
