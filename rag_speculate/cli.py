@@ -1,82 +1,171 @@
-"""The `rag-speculate` command line: the only place in the library that prints."""
+"""The `rag-speculate` command line: the only place in the library that prints.
+
+    rag-speculate index CORPUS --out DIR    chunk, embed and index a corpus; build its REST datastore
+    rag-speculate ask DIR "question"        retrieve, answer with speculative decoding, show sources and stats
+    rag-speculate demo                      the whole pipeline on the shipped Natural Questions corpus,
+                                            accelerated and plain, with timings
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
+from .corpus import ChunkingOptions, CorpusIndex, drafting_documents, rag_messages, read_corpus
+from .drafters import NGramTrieDrafter, RESTDrafter
 from .engine import SpeculativeEngine
+from .errors import RagSpeculateError
+from .models import cache_dir
 from .result import GenerationResult
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEMO_QUESTION = 0  # the shipped corpus's first question, unless --question or --item says otherwise
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rag-speculate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rag-speculate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="answer a real RAG question, accelerated and plain, and compare")
-    demo.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file, folder or HF id")
-    demo.add_argument("--max-new-tokens", type=int, default=256)
-    demo.add_argument("--question", help="your own question (with --documents)")
-    demo.add_argument("--documents", type=Path, help="text file of passages separated by blank lines")
-    demo.add_argument("--item", type=int, default=0, help="which shipped Natural Questions item to answer (0-4)")
-    demo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+    index = commands.add_parser("index", help="index a corpus for retrieval and drafting")
+    index.add_argument("corpus", type=Path, help="a folder of .txt/.md files, or a .jsonl(.gz) file")
+    index.add_argument("--out", type=Path, required=True, help="the index folder to write")
+    index.add_argument("--text-field", default="text", help="the JSONL field holding the text (default: text)")
+    _add_index_options(index)
+    _add_model_options(index)
+
+    ask = commands.add_parser("ask", help="answer a question from an index")
+    ask.add_argument("index", type=Path, help="a folder written by `rag-speculate index`")
+    ask.add_argument("question")
+    _add_answer_options(ask)
+    _add_model_options(ask)
+
+    demo = commands.add_parser("demo", help="index the shipped NQ corpus, then answer accelerated and plain")
+    demo.add_argument("--question", help="your own question (default: one of the corpus's questions)")
+    demo.add_argument("--item", type=int, default=DEMO_QUESTION, help="which corpus question to ask (0-2654)")
+    demo.add_argument("--index-dir", type=Path, default=None, help="where to keep the corpus index (default: the model cache)")
+    _add_index_options(demo)
+    _add_answer_options(demo)
+    _add_model_options(demo)
+
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return run_demo(args)
+    try:
+        return {"index": run_index, "ask": run_ask, "demo": run_demo}[args.command](args)
+    except RagSpeculateError as error:
+        print(f"rag-speculate {args.command}: {error}", file=sys.stderr)
+        return 1
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file, folder or HF id")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _add_index_options(parser: argparse.ArgumentParser) -> None:
+    defaults = ChunkingOptions()
+    parser.add_argument("--embedding-model", default=None, help="sentence-transformers name or folder (default: bge-small if cached, else the packaged all-MiniLM-L6-v2)")
+    parser.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens)
+    parser.add_argument("--chunk-overlap", type=int, default=defaults.chunk_overlap)
+    parser.add_argument("--ivf-lists", type=int, default=defaults.ivf_lists, help="0: exact search; n: FAISS IVF with n lists")
+    parser.add_argument("--ivf-probe", type=int, default=defaults.ivf_probe, help="IVF lists searched per query")
+
+
+def _add_answer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-k", "--top-k", type=int, default=5, help="chunks retrieved into the prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
 
 
 def _progress(message: str) -> None:
     print(f"[rag-speculate] {message}", file=sys.stderr, flush=True)
 
 
-def _demo_item(args: argparse.Namespace) -> tuple[str, list[str], list[str]]:
-    """(question, documents, reference answers) from the options or the shipped items."""
-    if args.question or args.documents:
-        if not (args.question and args.documents):
-            sys.exit("--question and --documents go together")
-        passages = [p.strip() for p in args.documents.read_text(encoding="utf-8").split("\n\n") if p.strip()]
-        return args.question, passages, []
-    lines = resources.files("rag_speculate.data").joinpath("demo_rag.jsonl").read_text(encoding="utf-8").splitlines()
-    if not 0 <= args.item < len(lines):
-        sys.exit(f"--item must be in [0, {len(lines) - 1}]")
-    item = json.loads(lines[args.item])
-    return item["question"], item["documents"], item["answers"]
+def _options(args: argparse.Namespace) -> ChunkingOptions:
+    return ChunkingOptions(args.chunk_tokens, args.chunk_overlap, args.ivf_lists, args.ivf_probe)
+
+
+def run_index(args: argparse.Namespace) -> int:
+    documents = read_corpus(args.corpus, text_field=args.text_field)
+    engine = SpeculativeEngine.from_pretrained(args.model, progress=_progress)
+    _progress(f"indexing {len(documents)} documents from {args.corpus}")
+    index = CorpusIndex.build(
+        documents, args.out, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
+    )
+    _print_index(index)
+    return 0
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    index = CorpusIndex.load(args.index)
+    engine = _rag_engine(args.model, index)
+    result, chunks = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
+    print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
+    _print_sources(chunks)
+    _print_stats(result)
+    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    question, documents, answers = _demo_item(args)
-    _progress(f"preparing {args.model} (the first run converts the packaged GGUF once)")
+    from .nq import nq_documents, nq_questions
+
+    questions = nq_questions()
+    if args.question is None and not 0 <= args.item < len(questions):
+        raise SystemExit(f"--item must be in [0, {len(questions) - 1}]")
+    question = args.question or questions[args.item].question
+    answers = [] if args.question else questions[args.item].answers
+
     engine = SpeculativeEngine.from_pretrained(args.model, progress=_progress)
-    # Spec-Bench's RAG format: the passages, one per line, then the question.
-    prompt = "\n".join([*documents, question])
-    ids = engine.encode_prompt(prompt, chat=True)
+    folder = args.index_dir or cache_dir() / "indexes" / f"nq-{Path(args.model).name}"
+    _progress(f"indexing the shipped Natural Questions corpus into {folder} (once; later runs reuse it)")
+    index = CorpusIndex.build(
+        nq_documents(), folder, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
+    )
+    engine = _rag_engine(engine, index)
     _progress("warming up")
-    engine.generate(ids, max_new_tokens=4)
+    engine.generate([1, 2, 3], max_new_tokens=4)
 
     _progress("answering with speculative decoding")
-    fast = engine.generate(ids, documents=documents, max_new_tokens=args.max_new_tokens)
+    result, chunks = _answer(engine, index, question, args.top_k, args.max_new_tokens)
     _progress("answering with plain greedy decoding (model.generate)")
+    ids = engine.encode_prompt(rag_messages(question, chunks), chat=True)
     plain_ids, plain_s = _plain_greedy(engine, ids, args.max_new_tokens)
 
     print(f"Question: {question}\n")
-    print(f"Answer (speculative):\n{fast.text}\n")
-    _print_stats(fast)
-    fast_s = fast.stats.prefill_s + fast.stats.decode_s
+    print(f"Answer (speculative):\n{result.text}\n")
+    print(f"Answer (plain greedy):\n{engine.tokenizer.decode(plain_ids, skip_special_tokens=True)}\n")
+    _print_sources(chunks)
+    _print_stats(result)
+    fast_s = result.stats.prefill_s + result.stats.decode_s
     print(f"\nPlain greedy: {len(plain_ids)} tokens in {plain_s:.2f} s ({len(plain_ids) / plain_s:.2f} tok/s)")
-    print(f"Speculative:  {fast.stats.new_tokens} tokens in {fast_s:.2f} s ({fast.stats.new_tokens / fast_s:.2f} tok/s)")
-    print(f"Speed-up: {plain_s / fast_s:.2f}x, identical output: {plain_ids == fast.token_ids}")
+    print(f"Speculative:  {result.stats.new_tokens} tokens in {fast_s:.2f} s ({result.stats.new_tokens / fast_s:.2f} tok/s)")
+    print(f"Speed-up: {plain_s / fast_s:.2f}x, identical output: {plain_ids == result.token_ids}")
     if answers:
-        found = any(a.lower() in fast.text.lower() for a in answers)
+        found = any(a.lower() in result.text.lower() for a in answers)
         print(f"Reference answer{'s' if len(answers) > 1 else ''}: {answers} (found in the answer: {found})")
     return 0
+
+
+def _rag_engine(model: str | SpeculativeEngine, index: CorpusIndex) -> SpeculativeEngine:
+    """An engine drafting from both the retrieved chunks (trie) and the whole corpus (REST), in one tree."""
+    engine = model if isinstance(model, SpeculativeEngine) else SpeculativeEngine.from_pretrained(model, progress=_progress)
+    index.check_tokenizer(engine.tokenizer)
+    return SpeculativeEngine(
+        engine.model, engine.tokenizer, [NGramTrieDrafter(), RESTDrafter(index.datastore)], name=engine.name
+    )
+
+
+def _answer(engine: SpeculativeEngine, index: CorpusIndex, question: str, k: int, max_new_tokens: int):
+    chunks = index.search(question, k)
+    result = engine.generate(
+        rag_messages(question, chunks), chat=True, documents=drafting_documents(chunks), max_new_tokens=max_new_tokens
+    )
+    return result, chunks
 
 
 def _plain_greedy(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
@@ -85,6 +174,20 @@ def _plain_greedy(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int
     with torch.inference_mode():
         out = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(ids) :].tolist(), time.perf_counter() - started
+
+
+def _print_index(index: CorpusIndex) -> None:
+    m = index.manifest
+    kind = f"IVF with {m['options']['ivf_lists']} lists" if m["options"]["ivf_lists"] else "exact inner product"
+    print(f"Index {index.path}: {m['documents']} documents, {m['chunks']} chunks, {m['tokens']} tokens")
+    print(f"  embeddings: {m['embedding']['name']} ({m['embedding']['dimension']} dimensions), FAISS {kind}")
+    print(f"  REST datastore: {index.datastore.num_tokens} tokens")
+
+
+def _print_sources(chunks) -> None:
+    print("Sources:")
+    for i, c in enumerate(chunks, 1):
+        print(f"  [{i}] {c.score:.3f} {c.title or c.id}: {c.text[:80]!r}")
 
 
 def _print_stats(result: GenerationResult) -> None:

@@ -1,0 +1,70 @@
+"""`rag-speculate index`, `ask` and `demo` end to end on the small packaged model and the packaged embeddings."""
+
+from __future__ import annotations
+
+import pytest
+
+from rag_speculate.cli import main
+
+from .conftest import MODEL
+
+COMMON = ["--model", MODEL, "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "reading.txt").write_text(
+        "Reading Football Club is owned by Dai Yongge and Dai Xiu Li, who bought the club in 2017.", encoding="utf-8"
+    )
+    (folder / "violin.md").write_text("The violin has four strings tuned in perfect fifths.", encoding="utf-8")
+    (folder / "broken.txt").write_bytes(b"\xff\xfe not utf-8 \x80")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def index(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("built") / "index"
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 unreadable entries.*broken.txt"):
+        assert main(["index", str(corpus), "--out", str(out), *COMMON]) == 0
+    return out
+
+
+def test_index_reports_what_it_built_and_rebuilds_nothing_the_second_time(index, corpus, capsys):
+    with pytest.warns(RuntimeWarning, match="skipped 1"):
+        assert main(["index", str(corpus), "--out", str(index), *COMMON]) == 0
+    captured = capsys.readouterr()
+    assert f"Index {index}: 2 documents, 2 chunks" in captured.out
+    assert f"{index} is up to date" in captured.err
+
+
+def test_ask_answers_with_sources_and_stats(index, capsys):
+    assert main(["ask", str(index), "Who owns Reading Football Club?", "-k", "1", "--max-new-tokens", "24", *COMMON]) == 0
+    out = capsys.readouterr().out
+    assert "Answer:\n" in out
+    assert "Sources:\n  [1] " in out and ": 'Reading Football Club is owned" in out
+    assert "tokens/forward" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ask", "{index}", "  "], "query is empty"),
+        (["ask", "{index}", "q", "-k", "0"], "k must be an integer >= 1"),
+        (["ask", "{missing}", "q"], "no corpus index at"),
+        (["index", "{missing}", "--out", "{missing}x"], "does not exist"),
+    ],
+)
+def test_bad_input_is_named_and_fails_the_command(index, tmp_path, capsys, argv, message):
+    argv = [a.format(index=index, missing=tmp_path / "missing") for a in argv]
+    assert main([*argv, *COMMON]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_demo_indexes_the_shipped_corpus_and_answers_identically(tmp_path, capsys):
+    argv = ["demo", "--index-dir", str(tmp_path / "nq"), "--max-new-tokens", "24", *COMMON]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Question: who got the first nobel prize in physics" in out
+    assert "List of Nobel laureates in Physics" in out  # the gold passage is retrieved
+    assert "identical output: True" in out
