@@ -1,7 +1,16 @@
 """rag-speculate: lossless speculative decoding for RAG, drafting from what the pipeline retrieved."""
 
 from .datastore import Datastore, DatastoreError
-from .drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter, RESTDrafter
+from .drafters import (
+    CombinedDrafter,
+    DraftContext,
+    Drafter,
+    NGramTrieDrafter,
+    OuroborosDrafter,
+    PhrasePool,
+    PhrasePoolError,
+    RESTDrafter,
+)
 from .engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
 from .errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
 from .result import GenerationResult, GenerationStats, GenerationStream
@@ -22,6 +31,9 @@ __all__ = [
     "InvalidArgumentError",
     "ModelPackageError",
     "NGramTrieDrafter",
+    "OuroborosDrafter",
+    "PhrasePool",
+    "PhrasePoolError",
     "RESTDrafter",
     "RagSpeculateError",
     "SpeculativeEngine",

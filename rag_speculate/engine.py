@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .budget import CostModel, best_prefix
 from .drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
 from .errors import InvalidArgumentError, RagSpeculateError
-from .output import OutputTracker
+from .output import OutputTracker, eos_token_ids
 from .result import GenerationResult, GenerationStats, GenerationStream
 from .sampling import SamplingParams, sample_token
 from .tree import DraftTree
@@ -72,7 +72,7 @@ class SpeculativeEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.drafter.attach(tokenizer, self.vocab_size)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._verifier = Verifier(model)
         self.tree_attention, reason = self._verifier.supports_tree_attention()
         if not self.tree_attention:
@@ -329,17 +329,6 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
         if not isinstance(s, str) or not s:
             raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {s!r}")
     return stops
-
-
-def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The ids `generate` stops at: the generation config's, else the tokenizer's."""
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def _count_sources(stats: GenerationStats, tree: DraftTree, accepted: list[int], default: str) -> None:

@@ -59,14 +59,16 @@ def test_draft_is_the_paper_tries_subtree_for_the_longest_matching_query():
         assert paths(tree) == set(want)
 
 
-def test_budget_keeps_the_most_frequent_connected_nodes():
+def test_budget_keeps_the_connected_nodes_most_likely_accepted():
     doc = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7]
     drafter = NGramTrieDrafter(n=5, max_prefix=2, learn_from_output=False)
     drafter.start(DraftContext([], [doc], 10))
     tree = drafter.propose([0, 1, 2], budget=3)
-    # After "1 2": "3" three times, "5" once; after "1 2 3": "4" twice, "7" once; then "1" twice.
-    assert tree.tokens == [3, 4, 1]
-    assert tree.parents == [-1, 0, 1]
+    # After "1 2": "3" 3 of 4 times, "5" once; after "1 2 3": "4" twice, "7" once; then "1" twice.
+    # With a 2-token match's prior agreement a = 0.7 per token: 3 scores 3/4 a, 4 2/4 a^2, and
+    # then 5 (1/4 a = 0.175) beats the deeper 1 (2/4 a^3 = 0.17).
+    assert tree.tokens == [3, 4, 5]
+    assert tree.parents == [-1, 0, -1]
 
 
 def test_backs_off_to_shorter_queries_and_stops_at_document_boundaries():

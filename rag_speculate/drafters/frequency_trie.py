@@ -27,30 +27,28 @@ def frequency_trie(continuations: Iterable[Iterable[int]]) -> Trie:
     return trie
 
 
-def best_subtree(trie: Trie, budget: int, source: str, agreement: float = 1.0) -> DraftTree:
-    """The `budget` most frequent nodes of `trie` as a draft tree whose nodes all come from `source`.
+def best_subtree(trie: Trie, budget: int, source: str, agreement: float = 1.0, reach: float = 1.0) -> DraftTree:
+    """The `budget` nodes of `trie` most likely accepted, as a draft tree whose nodes all come from `source`.
 
-    A node's score, the chance the target accepts it, is the share of continuations agreeing
-    with its path times `agreement ** depth` (how often the target follows such drafts per token).
+    A node's score, the chance the target accepts it, is `reach` (the chance its root is reached)
+    times the share of continuations agreeing with its path times `agreement ** depth` (how often
+    the target follows such drafts per token). A child never outscores its parent, so popping the
+    best frontier node lists parents before children and scores best first; ties keep insertion order.
     """
-    # A child is never more frequent than its parent, so popping the most frequent frontier
-    # node yields the top-`budget` nodes as a connected tree; `order` breaks ties by insertion.
-    heap = [(-count, order, token, ROOT, children) for order, (token, (count, children)) in enumerate(trie.items())]
-    heapq.heapify(heap)
     total = sum(count for count, _ in trie.values())
+    heap = [(-reach * count / total * agreement, order, token, ROOT, 1, children) for order, (token, (count, children)) in enumerate(trie.items())]
+    heapq.heapify(heap)
+    order = len(heap)
     tokens: list[int] = []
     parents: list[int] = []
-    depths: list[int] = []
     scores: list[float] = []
-    order = len(heap)
     while heap and len(tokens) < budget:
-        negative_count, _, token, parent, children = heapq.heappop(heap)
+        negative, _, token, parent, depth, children = heapq.heappop(heap)
         index = len(tokens)
         tokens.append(token)
         parents.append(parent)
-        depths.append(1 if parent == ROOT else depths[parent] + 1)
-        scores.append(-negative_count / total * agreement ** depths[-1])
-        for child_token, (count, grandchildren) in children.items():
-            heapq.heappush(heap, (-count, order, child_token, index, grandchildren))
+        scores.append(-negative)
+        for child, (count, grandchildren) in children.items():
+            heapq.heappush(heap, (-reach * count / total * agreement ** (depth + 1), order, child, index, depth + 1, grandchildren))
             order += 1
     return DraftTree(tokens, parents, [source] * len(tokens), scores)

@@ -1,0 +1,411 @@
+"""Ouroboros (Zhao et al., 2024): a small draft model, sped up and extended by a phrase pool.
+
+A proposal has the paper's two parts:
+
+- Sentence draft. The draft model extends the context phrase by phrase: in ONE draft forward it
+  checks the pool's phrases that start with the last token (merged by common prefixes, tree
+  attention), keeps the longest one it agrees with plus its own next token, and rolls its KV
+  cache back to those tokens. With an empty pool this is plain greedy decoding of the draft
+  model, one token per forward. It stops once the draft holds `gamma` tokens.
+- Longer draft. The `K` newest pool phrases starting with the sentence draft's last token hang
+  after it as candidate suffixes, so the target verifies draft and suffixes in its one forward.
+
+After the target's verification (`observe`):
+
+- Candidate inspiration: where the draft, after its first rejected token, still agrees with the
+  target for `beta - 1` tokens in a row, the target's `beta` tokens there become a phrase.
+- Candidate refinement: each suffix candidate is replaced by the target's tokens at its positions.
+
+Node scores estimate the target's acceptance: rate**depth on the draft chain, with `rate` counted
+from verifications; suffix nodes multiply the chain end's score by their share of the candidates
+and a separate, lower suffix rate per token. The pool persists across generations (the paper's
+warm start) and can be saved with `PhrasePool.save`.
+
+Simplified from the paper, for a 2-core CPU where every token fed to a forward costs:
+
+- Lookahead decoding's Jacobi window, which the paper runs inside each draft forward to harvest
+  n-grams for the pool, is not run. The pool learns instead from the draft model's own sentence
+  drafts, the accepted output, the prompt and documents, inspiration and refinement.
+- A draft forward checks only the pool nodes that pay for their cost: up to `draft_tree_budget`
+  best-first, cut by `budget.best_prefix` with the draft model's timed cost curve and the rate at
+  which it has agreed with pool phrases (the paper checks all W candidates).
+- The sentence draft also stops when its next token's acceptance estimate falls below
+  `min_score` (such a token costs more draft time than the target time it is expected to save),
+  and at the depth the engine verified last time (it verifies only the prefix of a draft that
+  pays for its target forward; drafting deeper wastes draft forwards). When the engine verifies
+  none of a draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
+- The draft model drafts greedily, also when the target samples (verification stays exact).
+
+Measured for the defaults (fp32, torch.set_num_threads(2), this project's 2-core AVX2 machine,
+~500 tokens of context; one forward over q tokens, q = tree nodes + 1):
+
+    qwen2.5-coder-0.5b-instruct (draft)   q=1: 125 ms, 2: 280 (2.2x), 5: 345 (2.8x),
+                                          9: 385 (3.1x), 17: 421 (3.4x), 33: 534 (4.3x),
+                                          65: 729 ms (5.8x); prefill of 500 tokens 4.7 s
+    qwen2.5-coder-1.5b-instruct (target)  q=1: 324 ms, 9: 1063 (3.3x), 17: 1067 (3.3x)
+
+Hence `draft_tree_budget=16` (a 16-node tree costs 3.4 single-token forwards, and the curve
+steepens beyond) and `min_score=0.4` (a draft forward costs 0.39 of a target forward). The
+target's cost is flat from q=9 to 17, so the paper's gamma=12 is kept, and W=20, beta=8, K=3.
+
+End to end (0.5b drafting for 1.5b, a code prompt, chat template): with every draft verified the
+target agreed with the draft model's next token at a rate of 0.90, 96 tokens took 14 target
+forwards, and suffixes were accepted 5 of 32 times on a warm pool. With the engine's measured
+costs and these defaults, 48 tokens took 10 target forwards at 2.5 tokens/s against about 2.7
+for plain decoding (one 367 ms forward per token): drafting (62 draft forwards) took 65% of the
+time. So on this CPU a 0.5b draft model roughly breaks even for a 1.5b target. No pool tree
+paid in the draft forward there (2 tokens cost twice 1): the draft model ran one token per
+forward. A 16-node tree pays once its phrases are expected to add 2.4 tokens, which takes text
+that repeats (earlier outputs, the documents).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..budget import AgreementRate, CostModel, agreement_trials, best_prefix
+from ..datastore import tokenizer_fingerprint
+from ..errors import InvalidArgumentError
+from ..output import eos_token_ids
+from ..sampling import SamplingParams
+from ..tree import ROOT, DraftTree
+from ..verify import Verification, Verifier, accept, keep_cache_entries, make_cache, sliding_window
+from .base import DraftContext, Drafter
+from .frequency_trie import best_subtree, frequency_trie
+from .phrase_pool import Phrase, PhrasePool, PhrasePoolError
+
+DRAFT_SOURCE = "draft_model"
+POOL_SOURCE = "pool"
+_GREEDY = SamplingParams()
+# Priors of the acceptance rates: how often the target takes the draft model's next token, a
+# suffix candidate's next token, and how often the draft model takes a pool phrase's next token.
+# The chain's is what qwen2.5-coder-0.5b reached drafting for the 1.5b (0.90, module docstring):
+# a prior much lower makes the engine verify none of the first drafts, so the rate is never learnt.
+_CHAIN_PRIOR = 0.9
+_SUFFIX_PRIOR = 0.5
+_POOL_PRIOR = 0.75
+_MAX_PAUSE = 64  # proposals skipped at most after the engine verified none of a draft
+
+
+class OuroborosDrafter(Drafter):
+    """Drafts with `draft_model`, which must share the target's tokenizer; see the module docstring.
+
+    `W` and `beta` size the pool built when `pool` is None; a given pool keeps its own.
+    """
+
+    name = "ouroboros"
+
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        draft_tokenizer: PreTrainedTokenizerBase,
+        *,
+        gamma: int = 12,
+        W: int = 20,
+        beta: int = 8,
+        K: int = 3,
+        pool: PhrasePool | None = None,
+        draft_tree_budget: int = 16,
+        min_score: float = 0.4,
+        learn_from_context: bool = True,
+    ):
+        for arg, value, least in (("gamma", gamma, 1), ("K", K, 0), ("draft_tree_budget", draft_tree_budget, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidArgumentError(f"{arg} must be an integer >= {least}, got {value!r}")
+        if not 0 <= min_score <= 1:
+            raise InvalidArgumentError(f"min_score must be in [0, 1], got {min_score}")
+        self.draft_model = draft_model.eval()
+        self.draft_tokenizer = draft_tokenizer
+        self.gamma = gamma
+        self.K = K
+        self.draft_tree_budget = draft_tree_budget
+        self.min_score = min_score
+        self.learn_from_context = learn_from_context
+        self.pool = pool if pool is not None else PhrasePool(W, beta)
+        # Draft forward cost by tokens fed, timed at the first `start`; assign one to pin it (tests).
+        self.cost_model: CostModel | None = None
+        # Seconds the last `propose` spent and draft forwards run so far, so a caller can judge
+        # whether the draft model pays for itself.
+        self.last_propose_s = 0.0
+        self.draft_forwards = 0
+        self._verifier = Verifier(draft_model)
+        self._tree_attention = True
+        self._draft_vocab = draft_model.get_input_embeddings().num_embeddings
+        # Ids both models embed: the only ones proposed or fed as pool phrases (set by `attach`).
+        self._vocab_size = self._draft_vocab
+        self._eos = eos_token_ids(draft_model, draft_tokenizer)
+        # The rates describe the model pair, not one request, so they outlive generations.
+        self._chain_rate = AgreementRate(prior=_CHAIN_PRIOR)
+        self._suffix_rate = AgreementRate(prior=_SUFFIX_PRIOR)
+        self._pool_rate = AgreementRate(prior=_POOL_PRIOR)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cache = make_cache(self.draft_model)
+        self._cached: list[int] = []  # the tokens whose keys and values the draft cache holds
+        self._learned = 0  # tokens of the context whose beta-gram ending there the pool has seen
+        # The last proposal: its chain length and the pool phrases hung after it, for `observe`.
+        self._chain_length = 0
+        # Per generation: the engine also cuts drafts to the tokens a generation has left.
+        self._depth = _DepthLimit(self.gamma)
+        self._suffixes: list[Phrase] = []
+
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        if tokenizer_fingerprint(self.draft_tokenizer) != fingerprint:
+            raise InvalidArgumentError(
+                "the draft model's tokenizer differs from the target's (vocabulary or special tokens), so its "
+                "token ids mean other text; pick a draft model of the target's family that shares its tokenizer"
+            )
+        if self.pool.fingerprint not in (None, fingerprint):
+            raise PhrasePoolError(
+                "the phrase pool was saved with another tokenizer, so its token ids mean other text; "
+                "pass a new PhrasePool or one saved with the target's tokenizer"
+            )
+        if self._draft_vocab < len(tokenizer):
+            raise InvalidArgumentError(
+                f"the draft model embeds {self._draft_vocab} token ids but the tokenizer has {len(tokenizer)}: "
+                "it was built for another tokenizer; pick a draft model of the target's family"
+            )
+        # Embedding tables may be padded past the tokenizer differently: propose only ids both embed.
+        self._vocab_size = min(self._draft_vocab, vocab_size)
+        self._tree_attention, _ = self._verifier.supports_tree_attention()
+
+    def start(self, context: DraftContext) -> None:
+        """Fresh draft cache, holding the prompt; the pool and the learnt rates are kept (warm start)."""
+        self._reset()
+        if self.learn_from_context:
+            for ids in (*context.document_ids, context.prompt_ids):
+                self.pool.fill_from(ids)
+        self._learned = len(context.prompt_ids)
+        # Timed and prefilled here, so `last_propose_s` times drafting alone.
+        self._costs()
+        self._sync(context.prompt_ids)
+
+    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        started = time.perf_counter()
+        try:
+            return self._propose(tokens, budget)
+        finally:
+            self.last_propose_s = time.perf_counter() - started
+
+    def _propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        self._learn_output(tokens)
+        self._chain_length, self._suffixes = 0, []
+        # Old evidence fades with every step, drafted or not, so a pair whose drafts stopped
+        # paying is tried again later.
+        for rate in (self._chain_rate, self._suffix_rate):
+            rate.observe(0, 0)
+        if budget < 1:
+            return DraftTree.empty()
+        length = min(self.gamma, budget, self._depth.allowed())
+        # Past this test the sentence draft gets at least one token: its score, the rate, clears min_score.
+        if length < 1 or self._chain_rate.rate < self.min_score:
+            return DraftTree.empty()
+        self._sync(tokens[:-1])
+        chain = self._sentence_draft(tokens[-1], length)[:budget]
+        self._chain_length = len(chain)
+        if budget > len(chain) and chain[-1] not in self._eos:
+            self._suffixes = self._usable(self.pool.candidates(chain[-1], self.K))
+        return self._longer_draft(chain, budget)
+
+    # --- the draft model ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _sync(self, context: Sequence[int]) -> None:
+        """Bring the draft cache to hold exactly `context`: keep the common prefix, feed the rest."""
+        common = 0
+        for cached, token in zip(self._cached, context):
+            if cached != token:
+                break
+            common += 1
+        if len(self._cached) > common:
+            keep_cache_entries(self._cache, len(self._cached) - common, [])
+            del self._cached[common:]
+        if len(context) > common:
+            self._verifier.prefill(self._cache, self._feedable(context[common:]))
+            self._cached.extend(context[common:])
+
+    def _sentence_draft(self, root: int, length: int) -> list[int]:
+        """Greedy draft-model tokens after `root`, phrase by phrase, until `length` or the score floor."""
+        first, draft, rate = root, [], self._chain_rate.rate
+        while len(draft) < length and rate ** (len(draft) + 1) >= self.min_score:
+            tokens = self._draft_step(root).accepted_tokens
+            draft.extend(tokens)
+            root = tokens[-1]
+            if any(t in self._eos for t in tokens):
+                # Whatever follows the end of the text is never accepted.
+                draft = draft[: next(i for i, t in enumerate(draft) if t in self._eos) + 1]
+                break
+        # The draft's own phrases: when it is rejected and drafted again, they are checked whole.
+        self.pool.fill_from([first, *draft])
+        return draft
+
+    @torch.inference_mode()
+    def _draft_step(self, root: int) -> Verification:
+        """One draft forward: check the pool's phrases after `root`, keep the longest agreed plus one token."""
+        phrases = self._usable(self.pool.candidates(root))
+        tree = self._pool_tree(phrases)
+        window = sliding_window(self._cache)
+        if self._tree_attention and (window is None or len(self._cached) + self.draft_tree_budget + 2 < window):
+            forward = self._verifier.forward_tree
+        else:
+            tree, forward = tree.longest_branch(), self._verifier.forward_chain
+        started = time.perf_counter()
+        logits = forward(self._cache, self._feedable([root])[0], tree)
+        step = accept(tree, logits[:, : self._vocab_size], _GREEDY, None)
+        keep_cache_entries(self._cache, len(tree) + 1, [0] + [i + 1 for i in step.accepted_nodes])
+        self._costs().observe(len(tree) + 1, time.perf_counter() - started)
+        self.draft_forwards += 1
+        self._cached.extend([root, *step.accepted_tokens[:-1]])
+        if tree.tokens:
+            self._pool_rate.observe(*agreement_trials(step))
+        self._refresh_best(phrases, step.accepted_tokens[:-1])
+        return step
+
+    def _pool_tree(self, phrases: list[Phrase]) -> DraftTree:
+        """The phrases' continuations as one tree, cut to the best-first nodes that pay for their cost."""
+        self._pool_rate.observe(0, 0)
+        if not phrases or self.draft_tree_budget < 1:
+            return DraftTree.empty()
+        tree = _phrase_tree([p[1:] for p in phrases], self.draft_tree_budget, self._pool_rate.rate, POOL_SOURCE)
+        return tree.truncated(best_prefix(tree.scores, self._costs()), self.pool.beta)
+
+    def _refresh_best(self, phrases: list[Phrase], accepted: list[int]) -> None:
+        """A hit refreshes the newest phrase the draft model followed furthest, as LRU asks."""
+        if not accepted:
+            return
+        for phrase in phrases:
+            if list(phrase[1 : 1 + len(accepted)]) == accepted:
+                self.pool.add(phrase)
+                return
+
+    def _costs(self) -> CostModel:
+        if self.cost_model is None:
+            probe = self._verifier.timed_forward(self._tree_attention)
+            self.cost_model = CostModel.measure(probe, self.draft_tree_budget + 1)
+        return self.cost_model
+
+    def _feedable(self, ids: Sequence[int]) -> list[int]:
+        # A target with a larger padded embedding table may emit an id the draft model cannot read;
+        # any id it embeds will do there, its guesses are only checked.
+        return [t if t < self._draft_vocab else 0 for t in ids]
+
+    def _usable(self, phrases: list[Phrase]) -> list[Phrase]:
+        return [p for p in phrases if max(p) < self._vocab_size]
+
+    # --- the target's draft -------------------------------------------------------------------
+
+    def _longer_draft(self, chain: list[int], budget: int) -> DraftTree:
+        """The chain, then the suffix candidates hung after its last token, scores best-first."""
+        rate = self._chain_rate.rate
+        scores = [rate**depth for depth in range(1, len(chain) + 1)]
+        parents = list(range(-1, len(chain) - 1))
+        tails = [p[1:] for p in self._suffixes]
+        suffix = _phrase_tree(tails, budget - len(chain), self._suffix_rate.rate, POOL_SOURCE, scores[-1])
+        last = len(chain) - 1
+        return DraftTree(
+            chain + suffix.tokens,
+            parents + [last if p == ROOT else p + len(chain) for p in suffix.parents],
+            [DRAFT_SOURCE] * len(chain) + suffix.sources,
+            scores + suffix.scores,
+        )
+
+    def observe(self, verification: Verification) -> None:
+        tree = verification.tree
+        chain = [i for i in range(len(tree)) if tree.source(i) == DRAFT_SOURCE]
+        if self._chain_length:
+            self._depth.observe(self._chain_length, len(chain))
+        if not chain:
+            return
+        accepted = len(verification.accepted_nodes)
+        agreed = min(accepted, len(chain))  # the accepted path runs down the chain first
+        self._chain_rate.observe(agreed, agreed + (agreed < len(chain)))
+        self._inspire(verification, chain, agreed)
+        if len(chain) == self._chain_length:
+            if agreed == len(chain):
+                suffix_agreed, trials = agreement_trials(verification)
+                self._suffix_rate.observe(suffix_agreed - agreed, trials - agreed)
+            self._refine(verification, chain[-1])
+
+    def _inspire(self, verification: Verification, chain: list[int], agreed: int) -> None:
+        """After the first rejected draft token, each run of `beta - 1` draft tokens the target agrees
+        with, plus the target's next token, becomes a phrase: the paper's candidate inspiration."""
+        beta, target, tokens = self.pool.beta, verification.target_tokens, verification.tree.tokens
+        # The target's token at each chain position, given the draft before it, and one past the end.
+        predicted = [target[0]] + [target[i + 1] for i in chain]
+        run = 0
+        for j in range(agreed + 1, len(chain)):
+            run = run + 1 if tokens[chain[j]] == predicted[j] else 0
+            if run >= beta - 1:
+                self.pool.add(predicted[j - beta + 2 : j + 2])
+
+    def _refine(self, verification: Verification, last: int) -> None:
+        """Each suffix candidate becomes the target's tokens at its positions: the paper's refinement.
+
+        Only the verified positions are known; a candidate that agreed at all of them keeps the rest.
+        """
+        children, target = verification.tree.children(), verification.target_tokens
+        for phrase in self._suffixes:
+            node = children.get(last, {}).get(phrase[1])
+            if node is None:
+                continue  # cut before the target saw it
+            refined = [phrase[0], target[last + 1], target[node + 1]]
+            for token in phrase[2:-1]:
+                node = children.get(node, {}).get(token)
+                if node is None:
+                    break
+                refined.append(target[node + 1])
+            refined = refined[: self.pool.beta]
+            if list(phrase[: len(refined)]) == refined:
+                refined = list(phrase)
+            self.pool.replace(phrase, refined)
+
+    def _learn_output(self, tokens: Sequence[int]) -> None:
+        """Every beta-gram ending in the output accepted since the last proposal becomes a phrase."""
+        beta = self.pool.beta
+        for end in range(max(self._learned + 1, beta), len(tokens) + 1):
+            self.pool.add(tokens[end - beta : end])
+        self._learned = len(tokens)
+
+
+class _DepthLimit:
+    """How deep to draft: the engine verifies only the best-first prefix of a draft that pays for its
+    target forward, so drafting deeper than it verifies wastes draft forwards.
+
+    After a chain verified whole, one token deeper is allowed (a probe); after a cut, the depth the
+    engine kept. When it kept nothing, drafting pauses for 1, 2, 4, ... proposals, then probes one
+    token: the engine decides from the scores, which barely move while nothing is verified.
+    """
+
+    def __init__(self, most: int):
+        self.most = most
+        self.depth = most
+        self._pause = 0
+        self._next_pause = 1
+
+    def allowed(self) -> int:
+        """Tokens to draft at this proposal at most; 0 while paused."""
+        if self._pause:
+            self._pause -= 1
+            return 0
+        return max(self.depth, 1)
+
+    def observe(self, proposed: int, verified: int) -> None:
+        if verified == 0:
+            self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, _MAX_PAUSE)
+            self.depth = 0
+        else:
+            self._next_pause = 1
+            self.depth = min(verified + 1, self.most) if verified == proposed else verified
+
+
+def _phrase_tree(phrases: list[Sequence[int]], budget: int, agreement: float, source: str, reach: float = 1.0) -> DraftTree:
+    """The phrases merged by common prefixes, the `budget` best nodes, best first (ties: newest phrase first)."""
+    if budget < 1 or not phrases:
+        return DraftTree.empty()
+    return best_subtree(frequency_trie(phrases), budget, source, agreement, reach)

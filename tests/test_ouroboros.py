@@ -1,0 +1,361 @@
+"""The Ouroboros drafter and its phrase pool: lossless through the engine, and the paper's pool updates."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import CHARS, VOCAB, char_tokenizer, hf_greedy, tiny_model
+
+from rag_speculate import (
+    DraftContext,
+    DraftTree,
+    InvalidArgumentError,
+    OuroborosDrafter,
+    PhrasePool,
+    PhrasePoolError,
+    SpeculativeEngine,
+)
+from rag_speculate.budget import CostModel
+from rag_speculate.sampling import SamplingParams
+from rag_speculate.verify import Verification, accept
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, Einstein published"]
+
+
+def flat_cost() -> CostModel:
+    # Every forward costs the same: drafting is never skipped because of timing noise.
+    return CostModel({1: 1.0, 65: 1.0}, learn=False)
+
+
+def make_drafter(draft, tokenizer, **kwargs) -> OuroborosDrafter:
+    drafter = OuroborosDrafter(draft, tokenizer, **kwargs)
+    drafter.cost_model = flat_cost()
+    return drafter
+
+
+def make_engine(target, tokenizer, drafter) -> SpeculativeEngine:
+    engine = SpeculativeEngine(target, tokenizer, drafter)
+    engine.cost_model = flat_cost()
+    return engine
+
+
+def target_says(tree: DraftTree, choices: dict[int, int], default: int = 1) -> Verification:
+    """The verification a target gives whose greedy choice after node i (-1: the root) is choices[i]."""
+    logits = torch.zeros(len(tree) + 1, VOCAB)
+    for row in range(len(tree) + 1):
+        logits[row, choices.get(row - 1, default)] = 1.0
+    return accept(tree, logits, SamplingParams(), None)
+
+
+# --- lossless through the engine -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "draft_overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("gpt2", {}),
+        ("gemma3", {}),  # sliding-window layers in the draft cache
+        # Embedding tables padded differently: the draft may argmax ids the target lacks, and the
+        # target may emit ids the draft cannot read.
+        ("llama", {"vocab_size": VOCAB + 24}),
+        ("llama", {"vocab_size": 80}),
+    ],
+)
+def test_greedy_output_matches_generate(arch, draft_overrides, tokenizer):
+    target = tiny_model(arch, seed=0)
+    drafter = make_drafter(tiny_model(arch, seed=1, num_hidden_layers=1, **draft_overrides), tokenizer, min_score=0.0)
+    engine = make_engine(target, tokenizer, drafter)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        reference = hf_greedy(target, ids, 40)
+        for documents in (None, [reference]):
+            result = engine.generate(ids, documents=documents, max_new_tokens=40)
+            assert result.token_ids == reference
+    assert len(drafter.pool) > 0
+    assert drafter.last_propose_s > 0
+
+
+def test_a_draft_model_equal_to_the_target_gets_long_drafts_accepted(tokenizer):
+    target = tiny_model("llama", seed=0)
+    drafter = make_drafter(tiny_model("llama", seed=0), tokenizer)
+    engine = make_engine(target, tokenizer, drafter)
+    ids = tokenizer.encode(PROMPTS[0])
+    reference = hf_greedy(target, ids, 48)
+    result = engine.generate(ids, max_new_tokens=48)
+    assert result.token_ids == reference
+    assert result.stats.tokens_per_forward > 2
+    assert result.stats.accepted_tokens["draft_model"] > 24
+
+
+def test_sampling_is_reproducible_with_a_seed(tokenizer):
+    target = tiny_model("qwen2", seed=0)
+    drafter = make_drafter(tiny_model("qwen2", seed=0), tokenizer)
+    engine = make_engine(target, tokenizer, drafter)
+    runs = [engine.generate(PROMPTS[1], max_new_tokens=32, temperature=0.8, top_p=0.9, seed=7) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert len(runs[0].token_ids) > 0
+    assert engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.5, seed=8).stats.target_forwards > 0
+
+
+def test_warm_start_reuses_the_pool_of_earlier_generations(tokenizer):
+    target = tiny_model("llama", seed=0)
+    drafter = make_drafter(tiny_model("llama", seed=0), tokenizer, learn_from_context=False)
+    engine = make_engine(target, tokenizer, drafter)
+    ids = tokenizer.encode(PROMPTS[0])
+    reference = hf_greedy(target, ids, 48)
+    results, forwards = [], []
+    for _ in range(2):
+        before = drafter.draft_forwards
+        results.append(engine.generate(ids, max_new_tokens=48))
+        forwards.append(drafter.draft_forwards - before)
+        assert len(drafter.pool) > 0
+    assert [r.token_ids for r in results] == [reference, reference]
+    # The draft model now checks whole remembered phrases per forward, and suffixes get accepted.
+    assert forwards[1] < forwards[0] / 2
+    assert results[1].stats.accepted_tokens["pool"] >= results[0].stats.accepted_tokens["pool"]
+    assert results[1].stats.target_forwards <= results[0].stats.target_forwards
+
+
+def test_drafting_pauses_while_the_engine_verifies_none_of_it(tokenizer):
+    target = tiny_model("llama", seed=0)
+    drafter = make_drafter(tiny_model("llama", seed=0), tokenizer)
+    engine = SpeculativeEngine(target, tokenizer, drafter)
+    # Every extra token costs a whole forward: no draft can pay, the engine verifies none.
+    engine.cost_model = CostModel({1: 1.0, 2: 2.0, 17: 17.0}, learn=False)
+    ids = tokenizer.encode(PROMPTS[0])
+    result = engine.generate(ids, max_new_tokens=48)
+    assert result.token_ids == hf_greedy(target, ids, 48)
+    assert sum(result.stats.drafted_tokens.values()) == 0
+    # One full draft, then single-token probes after pauses of 1, 2, 4, ... proposals.
+    assert drafter.draft_forwards <= 12 + 6
+
+
+# --- the sentence draft ----------------------------------------------------------------------
+
+
+def test_the_sentence_draft_is_the_draft_models_greedy_continuation_phrase_by_phrase(tokenizer):
+    draft = tiny_model("llama", seed=3)
+    drafter = make_drafter(draft, tokenizer, gamma=12, beta=8, K=0, min_score=0.0, learn_from_context=False)
+    drafter.attach(tokenizer, VOCAB)
+    ids = tokenizer.encode(PROMPTS[1])
+    expected = hf_greedy(draft, ids, 12)
+
+    drafter.start(DraftContext(ids, [], VOCAB))
+    tree = drafter.propose(ids, budget=16)
+    # An empty pool: plain greedy decoding, one token per forward.
+    assert tree.tokens == expected and tree.parents == list(range(-1, 11))
+    assert set(tree.sources) == {"draft_model"}
+    assert drafter.draft_forwards == 12
+
+    # Its own phrases are now in the pool: the same draft comes in whole phrases.
+    drafter.start(DraftContext(ids, [], VOCAB))
+    tree = drafter.propose(ids, budget=16)
+    assert tree.tokens[:12] == expected
+    assert drafter.draft_forwards - 12 <= 5
+
+
+def test_scores_are_best_first_and_the_target_sees_chain_then_suffixes(tokenizer):
+    drafter = make_drafter(
+        tiny_model("llama", seed=3), tokenizer, gamma=4, beta=4, K=3, min_score=0.0, learn_from_context=False
+    )
+    drafter.attach(tokenizer, VOCAB)
+    ids = tokenizer.encode(PROMPTS[1])
+    drafter.start(DraftContext(ids, [], VOCAB))
+    chain = drafter.propose(ids, budget=16).tokens
+    last = chain[-1]
+    # So none of the draft's own phrases, refreshed by the next proposal, starts with `last`.
+    assert last not in (ids[-1], *chain[:-1])
+    for tail in ((13, 14, 15), (5, 6, 7), (5, 8, 9), (10, 11, 12)):
+        drafter.pool.add((last, *tail))
+
+    drafter.start(DraftContext(ids, [], VOCAB))
+    tree = drafter.propose(ids, budget=16)
+    n = len(chain)
+    assert tree.tokens[:n] == chain and tree.sources == ["draft_model"] * n + ["pool"] * (len(tree) - n)
+    assert all(a >= b for a, b in zip(tree.scores, tree.scores[1:]))
+    # The three newest candidates, merged on their common first token, hang after the chain; the
+    # first token two of them share ranks first.
+    assert len(tree) == n + 8 and 13 not in tree.tokens[n:]
+    assert [tree.tokens[i] for i in range(n, len(tree)) if tree.parents[i] == n - 1] == [5, 10]
+    assert tree.truncated(n + 2, 100).tokens[n:] == [5, 10]
+
+
+# --- inspiration and refinement ------------------------------------------------------------
+
+
+def test_candidate_inspiration_takes_the_targets_phrases_after_the_first_rejection(tokenizer):
+    drafter = make_drafter(
+        tiny_model("llama", seed=3), tokenizer, gamma=8, beta=4, K=0, min_score=0.0, learn_from_context=False
+    )
+    ids = tokenizer.encode(PROMPTS[1])
+    drafter.start(DraftContext(ids, [], VOCAB))
+    tree = drafter.propose(ids, budget=8)
+    c = tree.tokens
+    assert len(c) == 8
+    x, y = (c[1] + 1) % VOCAB, (c[5] + 1) % VOCAB
+    # The target takes c[0], wants x instead of c[1], agrees with c[2..4], wants y instead of
+    # c[5], agrees with c[6..7] and then says 1.
+    choices = {-1: c[0], 0: x, 1: c[2], 2: c[3], 3: c[4], 4: y, 5: c[6], 6: c[7], 7: 1}
+    before = set(drafter.pool)
+    verification = target_says(tree, choices)
+    assert verification.accepted_tokens == [c[0], x]
+    drafter.observe(verification)
+    # Only the run of beta - 1 = 3 agreeing tokens after the rejection, plus the target's next one.
+    assert set(drafter.pool) - before == {(c[2], c[3], c[4], y)}
+
+
+def test_candidate_refinement_replaces_suffixes_with_the_targets_tokens(tokenizer):
+    drafter = make_drafter(
+        tiny_model("llama", seed=3), tokenizer, gamma=1, beta=4, K=3, min_score=0.0, learn_from_context=False
+    )
+    ids = tokenizer.encode(PROMPTS[1])
+    drafter.start(DraftContext(ids, [], VOCAB))
+    last = drafter.propose(ids, budget=16).tokens[0]
+    assert last != ids[-1]  # so the pool below is not used for the sentence draft itself
+    a, b, c = (last, 5, 6, 7), (last, 5, 8, 9), (last, 10, 11, 12)
+    for phrase in (a, b, c):
+        drafter.pool.add(phrase)
+    drafter.start(DraftContext(ids, [], VOCAB))
+    tree = drafter.propose(ids, budget=16)
+    assert tree.tokens[0] == last and len(tree) == 1 + 8
+    node = {path: i for i, path in enumerate(_paths(tree))}
+    choices = {
+        -1: last,
+        node[(last,)]: 5,
+        node[(last, 5)]: 8,  # b goes on, a's 6 is rejected
+        node[(last, 5, 6)]: 40,
+        node[(last, 5, 8)]: 9,
+        node[(last, 5, 8, 9)]: 41,  # b agreed throughout
+        node[(last, 10)]: 43,
+        node[(last, 10, 11)]: 44,
+    }
+    verification = target_says(tree, choices)
+    assert verification.accepted_tokens == [last, 5, 8, 9, 41]
+    drafter.observe(verification)
+    # a and c take the target's tokens at their positions; b, which the target followed, stays.
+    assert set(drafter.pool.candidates(last)) == {(last, 5, 8, 9), (last, 5, 8, 40), (last, 5, 43, 44)}
+
+
+def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((*(paths[parent] if parent != -1 else ()), token))
+    return paths
+
+
+# --- the pool --------------------------------------------------------------------------------
+
+
+def test_pool_keeps_the_W_most_recently_used_phrases_per_first_token():
+    pool = PhrasePool(W=2, beta=3)
+    pool.add((1, 2, 3))
+    pool.add((1, 4, 5))
+    pool.add((1, 2, 3))  # re-insert refreshes: (1, 4, 5) is now the oldest
+    pool.add((1, 6, 7))
+    assert pool.candidates(1) == [(1, 6, 7), (1, 2, 3)]
+    assert pool.candidates(1, k=1) == [(1, 6, 7)]
+    pool.add((9, 9))
+    assert len(pool) == 3 and pool.candidates(2) == []
+    # A prefix of a stored phrase refreshes it; an extension supersedes it.
+    pool.add((1, 2))
+    assert pool.candidates(1) == [(1, 2, 3), (1, 6, 7)]
+    pool.add((9, 9, 1))
+    assert pool.candidates(9) == [(9, 9, 1)] and len(pool) == 3
+    pool.replace((1, 6, 7), (1, 6, 8))
+    assert pool.candidates(1) == [(1, 6, 8), (1, 2, 3)]
+    pool.replace((4, 4, 4), (4, 5))  # an evicted old phrase: the new one is still added
+    assert pool.candidates(4) == [(4, 5)] and len(pool) == 4
+
+
+def test_pool_memory_is_bounded_by_W_per_token_whatever_the_input():
+    pool = PhrasePool(W=3, beta=4)
+    pool.fill_from([i % 5 for i in range(1000)] + list(range(5, 5000)))
+    assert all(len(pool.candidates(t)) <= 3 for t in range(5000))
+    assert len(pool) == sum(len(pool.candidates(t)) for t in range(5000))
+    # Later phrases win: the corpus's last beta-gram is held.
+    assert pool.candidates(4995) == [(4995, 4996, 4997, 4998)]
+    strided = PhrasePool(W=3, beta=4)
+    strided.fill_from(np.arange(20), stride=4)
+    assert list(strided) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15), (16, 17, 18, 19)]
+
+
+@pytest.mark.parametrize("phrase", [(1,), (1, 2, 3, 4), (1, -2), (1, 2.0)])
+def test_pool_refuses_invalid_phrases(phrase):
+    with pytest.raises(InvalidArgumentError):
+        PhrasePool(W=2, beta=3).add(phrase)
+
+
+def test_pool_save_load_round_trip(tmp_path, tokenizer):
+    pool = PhrasePool(W=3, beta=4)
+    pool.fill_from(tokenizer.encode("the quick brown fox jumps over the lazy dog, the quick red fox"))
+    path = tmp_path / "pools" / "pool.json"
+    pool.save(path, tokenizer)
+    loaded = PhrasePool.load(path, tokenizer)
+    assert (loaded.W, loaded.beta, len(loaded)) == (3, 4, len(pool))
+    assert list(loaded) == list(pool)
+    assert all(loaded.candidates(t) == pool.candidates(t) for t in range(VOCAB))
+    assert [p.name for p in path.parent.iterdir()] == ["pool.json"]  # no temporary file left
+
+
+def test_pool_load_errors_name_the_file_and_the_fix(tmp_path, tokenizer):
+    pool = PhrasePool(W=3, beta=4)
+    pool.fill_from(tokenizer.encode("the quick brown fox"))
+    path = tmp_path / "pool.json"
+    pool.save(path, tokenizer)
+    data = json.loads(path.read_text())
+
+    with pytest.raises(PhrasePoolError, match="another tokenizer") as error:
+        PhrasePool.load(path, char_tokenizer(chars=CHARS[::-1]))
+    assert str(path) in str(error.value) and "pool.save" in str(error.value)
+
+    path.write_text(json.dumps({**data, "format_version": 99}))
+    with pytest.raises(PhrasePoolError, match="format version 99"):
+        PhrasePool.load(path, tokenizer)
+
+    text = json.dumps(data)
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(PhrasePoolError, match="truncated or corrupt") as error:
+        PhrasePool.load(path, tokenizer)
+    assert str(path) in str(error.value)
+
+    path.write_text(json.dumps({**data, "phrases": data["phrases"][:-1]}))
+    with pytest.raises(PhrasePoolError, match="checksum"):
+        PhrasePool.load(path, tokenizer)
+
+    path.write_text(json.dumps({"some": "json"}))
+    with pytest.raises(PhrasePoolError, match="not a rag-speculate phrase pool"):
+        PhrasePool.load(path, tokenizer)
+
+    with pytest.raises(PhrasePoolError, match="does not exist"):
+        PhrasePool.load(tmp_path / "missing.json", tokenizer)
+
+
+# --- refused at engine construction ----------------------------------------------------------
+
+
+def test_engine_refuses_a_draft_model_with_other_token_ids(tmp_path, tokenizer):
+    target = tiny_model("llama", seed=0)
+    draft = tiny_model("llama", seed=1)
+    with pytest.raises(InvalidArgumentError, match="tokenizer differs"):
+        SpeculativeEngine(target, tokenizer, OuroborosDrafter(draft, char_tokenizer(chars=CHARS[::-1])))
+    with pytest.raises(InvalidArgumentError, match="embeds 40 token ids but the tokenizer has 77"):
+        SpeculativeEngine(target, tokenizer, OuroborosDrafter(tiny_model("llama", seed=1, vocab_size=40), tokenizer))
+
+    other = char_tokenizer(chars=CHARS[::-1])
+    PhrasePool().save(tmp_path / "pool.json", other)
+    pool = PhrasePool.load(tmp_path / "pool.json", other)
+    with pytest.raises(PhrasePoolError, match="another tokenizer"):
+        SpeculativeEngine(target, tokenizer, OuroborosDrafter(draft, tokenizer, pool=pool))
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"), [("gamma", 0), ("K", -1), ("draft_tree_budget", 1.5), ("min_score", 2.0)]
+)
+def test_drafter_refuses_invalid_arguments(argument, value, tokenizer):
+    with pytest.raises(InvalidArgumentError, match=argument):
+        OuroborosDrafter(tiny_model("llama"), tokenizer, **{argument: value})
