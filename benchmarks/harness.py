@@ -1,0 +1,280 @@
+"""What every decoding benchmark shares: the methods, the interleaved runs, the summary table and plot.
+
+A method turns (prompt ids, drafting documents, max new tokens) into a run: the tokens, the
+wall-clock time, the decode-only time and, for ours, the target forwards. For every item the
+methods run back to back in a rotating order, so machine noise hits all of them alike. Decode-only
+speed counts the tokens after the first over the time after the first token: prefill is the same
+work for every method and speculation cannot touch it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rag_speculate import (
+    Datastore,
+    DraftContext,
+    Drafter,
+    NGramTrieDrafter,
+    RESTDrafter,
+    SpeculativeEngine,
+    Verification,
+)
+from rag_speculate.budget import CostModel, best_prefix
+from rag_speculate.tree import ROOT
+
+Method = Callable[[list[int], list | None, int], dict]
+
+
+@dataclass
+class Item:
+    id: str
+    category: str
+    prompt_ids: list[int]
+    documents: list | None  # what the drafters may use: retrieved passages (text or token ids)
+    answers: list[str] = field(default_factory=list)
+
+
+class FirstTokenClock(BaseStreamer):
+    """Records when `generate` produced its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_method(engine: SpeculativeEngine, **kwargs) -> Method:
+    """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model)."""
+
+    def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
+        inputs = torch.tensor([ids], device=engine.model.device)
+        clock = FirstTokenClock()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = engine.model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
+                streamer=clock, **kwargs,
+            )
+        ended = time.perf_counter()
+        return {"tokens": out[0, len(ids) :].tolist(), "total_s": ended - started,
+                "decode_s": ended - (clock.first_token_at or ended), "forwards": None}
+
+    return run
+
+
+def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], budget: int | None = None,
+                  before: Callable[[], None] | None = None) -> Method:
+    """Our engine with `drafter` on the same model (and the same measured cost curve)."""
+    ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name)
+    ours.cost_model = engine.cost_model
+
+    def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
+        if before:
+            before()
+        started = time.perf_counter()
+        result = ours.generate(ids, documents=documents, max_new_tokens=max_new_tokens)
+        s = result.stats
+        return {"tokens": result.token_ids, "total_s": time.perf_counter() - started, "decode_s": s.decode_s,
+                "forwards": s.target_forwards, "drafting_s": s.drafting_s, "accepted": dict(s.accepted_tokens)}
+
+    return run
+
+
+def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore: Datastore | None = None,
+                  draft: tuple | None = None) -> dict[str, Method]:
+    """Methods by name: hf-greedy, hf-pld, hf-assisted, trie, rest, trie+rest, ouroboros, ouroboros-warm,
+    combined (every configured source), and NAME@B for one of ours with a draft budget of B."""
+    # One measured cost curve for all of ours, so they differ only in their drafters; a short
+    # generation times it (and pays the first call's one-off costs).
+    engine.generate([1, 2, 3, 4], max_new_tokens=4)
+    methods = {}
+    for name in names:
+        base, _, budget = name.partition("@")
+        methods[name] = _method(base, int(budget) if budget else None, engine, datastore, draft)
+    return methods
+
+
+def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore: Datastore | None, draft: tuple | None) -> Method:
+    def need(what, value):
+        if value is None:
+            raise SystemExit(f"method {name} needs {what}")
+        return value
+
+    if name == "hf-greedy":
+        return hf_method(engine)
+    if name == "hf-pld":
+        return hf_method(engine, prompt_lookup_num_tokens=10)
+    if name == "hf-assisted":
+        return hf_method(engine, assistant_model=need("--draft-model", draft)[0])
+    if name == "trie":
+        return engine_method(engine, NGramTrieDrafter(), budget)
+    if name == "rest":
+        return engine_method(engine, RESTDrafter(need("--datastore", datastore)), budget)
+    if name == "trie+rest":
+        return engine_method(engine, [NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))], budget)
+    if name in ("ouroboros", "ouroboros-warm", "combined"):
+        from rag_speculate import OuroborosDrafter, PhrasePool
+
+        ouroboros = OuroborosDrafter(*need("--draft-model", draft))
+
+        def cold() -> None:
+            # Without warm start every item starts from an empty pool; with it (the paper's Table 2
+            # dagger rows) the pool carries over from item to item.
+            ouroboros.pool = PhrasePool(ouroboros.pool.W, ouroboros.pool.beta)
+
+        if name != "combined":
+            return engine_method(engine, ouroboros, budget, before=cold if name == "ouroboros" else None)
+        sources = [NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros]
+        return engine_method(engine, sources, budget)
+    raise SystemExit(f"unknown method {name!r}")
+
+
+def measure(items: list[Item], methods: dict[str, Method], max_new_tokens: int, tokenizer) -> list[dict]:
+    runs = []
+    names = list(methods)
+    for i, item in enumerate(items):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        batch = []
+        for name in order:
+            out = methods[name](item.prompt_ids, item.documents, max_new_tokens)
+            out.update(item=item.id, category=item.category, method=name, prompt_tokens=len(item.prompt_ids))
+            batch.append(out)
+            print(f"[{i + 1}/{len(items)}] {item.category:<15} {name:<15} {len(out['tokens']):>4} tok "
+                  f"{out['total_s']:6.2f} s  decode {out['decode_s']:6.2f} s", file=sys.stderr, flush=True)
+        reference = next((r["tokens"] for r in batch if r["method"] == "hf-greedy"), None)
+        for r in batch:
+            r["identical"] = reference is not None and r["tokens"] == reference
+            if item.answers:
+                text = tokenizer.decode(r["tokens"], skip_special_tokens=True).lower()
+                r["answer_found"] = any(a.lower() in text for a in item.answers)
+        runs.extend(batch)
+    return runs
+
+
+def summarize(runs: list[dict], methods: list[str]) -> dict:
+    by = defaultdict(dict)
+    for r in runs:
+        by[(r["category"], r["item"])][r["method"]] = r
+    summary = {}
+    for category in dict.fromkeys(r["category"] for r in runs):
+        items = [m for (c, _), m in by.items() if c == category]
+        row = {}
+        for method in methods:
+            rs = [m[method] for m in items]
+            tokens = sum(len(r["tokens"]) for r in rs)
+            row[method] = {
+                "e2e_tok_s": tokens / sum(r["total_s"] for r in rs),
+                "decode_tok_s": sum(len(r["tokens"]) - 1 for r in rs) / sum(r["decode_s"] for r in rs),
+                "identical_to_greedy": statistics.mean(r["identical"] for r in rs),
+                # transformers does not report its forwards; plain greedy is 1 by definition.
+                "tokens_per_forward": tokens / sum(r["forwards"] for r in rs) if rs[0]["forwards"] else None,
+            }
+            if rs[0].get("drafting_s") is not None:
+                row[method]["drafting_share_of_decode"] = sum(r["drafting_s"] for r in rs) / sum(r["decode_s"] for r in rs)
+                accepted = defaultdict(int)
+                for r in rs:
+                    for source, n in r.get("accepted", {}).items():
+                        accepted[source] += n
+                row[method]["accepted_by_source"] = dict(accepted)
+            if "answer_found" in rs[0]:
+                row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
+            for base in ("hf-greedy", "hf-pld", "hf-assisted"):
+                if base in methods and method != base:
+                    ratios = [m[base]["decode_s"] / m[method]["decode_s"] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in items]
+                    row[method][f"decode_speedup_vs_{base}_mean"] = statistics.mean(ratios)
+                    row[method][f"decode_speedup_vs_{base}_median"] = statistics.median(ratios)
+        summary[category] = {"items": len(items), "methods": row}
+    return summary
+
+
+def markdown(summary: dict, methods: list[str]) -> str:
+    bases = [b for b in ("hf-greedy", "hf-pld", "hf-assisted") if b in methods]
+    lines = [
+        "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean / median)" for b in bases)
+        + " | tokens/forward | drafting / decode | accepted by source | identical to greedy | answer found |",
+        "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|",
+    ]
+    for category, block in summary.items():
+        for method in methods:
+            m = block["methods"][method]
+            found = f"{m['answer_found']:.0%}" if "answer_found" in m else "-"
+            per_forward = f"{m['tokens_per_forward']:.2f}" if m["tokens_per_forward"] else "-"
+            drafting = f"{m['drafting_share_of_decode']:.1%}" if "drafting_share_of_decode" in m else "-"
+            sources = ", ".join(f"{k} {v}" for k, v in sorted(m.get("accepted_by_source", {}).items())) or "-"
+            ratios = " | ".join(_ratio(m, b) for b in bases)
+            lines.append(f"| {category} (n={block['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | "
+                         f"{drafting} | {sources} | {m['identical_to_greedy']:.0%} | {found} |")
+    return "\n".join(lines)
+
+
+def _ratio(method_summary: dict, base: str) -> str:
+    key = f"decode_speedup_vs_{base}"
+    if key + "_mean" not in method_summary:
+        return "-"
+    return f"{method_summary[key + '_mean']:.2f} / {method_summary[key + '_median']:.2f}"
+
+
+def plot(summary: dict, methods: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(summary)
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for j, method in enumerate(methods):
+        values = [summary[c]["methods"][method]["decode_tok_s"] for c in categories]
+        ax.bar([i + j * width for i in range(len(categories))], values, width, label=method)
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def replay(drafter: Drafter, item: Item, reference: list[int], budget: int, cost: CostModel, vocab_size: int, tokenizer) -> float:
+    """Tokens per forward `drafter` would reach on `item`, from the target's known greedy output.
+
+    Greedy verification accepts exactly the draft path that spells the reference, so a retrieval
+    drafter's acceptance can be replayed without the model: the same truncation to the budget and
+    to the best-paying prefix as the engine, the same walk. Only the target's choices off the
+    accepted path are unknown (stand-ins), which retrieval drafters do not use.
+    """
+    documents = [d if not isinstance(d, str) else tokenizer.encode(d, add_special_tokens=False) for d in item.documents or []]
+    drafter.start(DraftContext(item.prompt_ids, documents, vocab_size))
+    tokens, position, forwards = [*item.prompt_ids, reference[0]], 1, 1
+    while position < len(reference):
+        remaining = len(reference) - position
+        tree = drafter.propose(tokens, budget).truncated(budget, remaining - 1)
+        if tree.scores:
+            tree = tree.truncated(best_prefix(tree.scores, cost), remaining - 1)
+        children, node, path = tree.children(), ROOT, []
+        while (child := children.get(node, {}).get(reference[position + len(path)])) is not None:
+            path.append(child)
+            node = child
+        accepted = reference[position : position + len(path) + 1]
+        drafter.observe(Verification(tree, path, accepted, [accepted[-1]] * (len(tree) + 1)))
+        tokens.extend(accepted)
+        position += len(accepted)
+        forwards += 1
+    return len(reference) / forwards
