@@ -131,7 +131,7 @@ def test_drafting_pauses_while_the_engine_verifies_none_of_it(tokenizer):
     result = engine.generate(ids, max_new_tokens=48)
     assert result.token_ids == hf_greedy(target, ids, 48)
     assert sum(result.stats.drafted_tokens.values()) == 0
-    # One full draft, then single-token probes after pauses of 1, 2, 4, ... proposals.
+    # One draft, then probes after pauses of 1, 2, 4, ... proposals.
     assert drafter.draft_forwards <= 12 + 6
 
 

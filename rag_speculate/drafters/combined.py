@@ -10,7 +10,7 @@ drafter that runs a model can cost a third of a target forward per proposal on a
 combined drafter keeps, per drafter and across generations, how its estimates compare with what
 was accepted (and rescales them), and how many tokens per second the steps yield with it against
 without it (the tokens the other drafters' trees would have covered, over the time without its
-drafting). A drafter that does not pay is skipped, and tried again now and then.
+drafting). A drafter that does not pay is skipped, and tried again after 16, 32, 64, ... steps.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from .base import DraftContext, Drafter
 
 _MEMORY = 0.9  # weight of the past in the running averages below
 _CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1.0
-_RETRY_EVERY = 16  # steps between retries of a skipped drafter
+# Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
+# that still does not pay (a retry costs: a skipped draft model must catch up on the text it missed).
+_FIRST_RETRY = 16
+_LAST_RETRY = 256
 
 Path = tuple[int, ...]
 
@@ -43,6 +46,7 @@ class _Ledger:
         self.with_tokens = self.without_tokens = 0.0
         self.samples = 0
         self.skipped_for = 0
+        self.retry_after = _FIRST_RETRY
 
     @property
     def calibration(self) -> float:
@@ -90,8 +94,11 @@ class CombinedDrafter(Drafter):
         chosen = []
         for drafter in self.drafters:
             ledger = self._ledgers[drafter.name]
-            if ledger.pays(self._target_s, total_s - ledger.propose_s) or ledger.skipped_for >= _RETRY_EVERY:
-                ledger.skipped_for = 0
+            if ledger.pays(self._target_s, total_s - ledger.propose_s):
+                ledger.skipped_for, ledger.retry_after = 0, _FIRST_RETRY
+                chosen.append(drafter)
+            elif ledger.skipped_for >= ledger.retry_after:
+                ledger.skipped_for, ledger.retry_after = 0, min(2 * ledger.retry_after, _LAST_RETRY)
                 chosen.append(drafter)
             else:
                 ledger.skipped_for += 1

@@ -16,8 +16,10 @@ After the target's verification (`observe`):
   target for `beta - 1` tokens in a row, the target's `beta` tokens there become a phrase.
 - Candidate refinement: each suffix candidate is replaced by the target's tokens at its positions.
 
-Node scores estimate the target's acceptance: rate**depth on the draft chain, with `rate` counted
-from verifications; suffix nodes multiply the chain end's score by their share of the candidates
+Node scores estimate the target's acceptance: on the draft chain, the running product of the draft
+model's own probability for each token, scaled by a factor counted from verifications (how the
+target's agreement relates to the draft's confidence; as transformers' assisted generation stops at
+a confidence threshold, the chain stops where this estimate no longer pays); suffix nodes multiply the chain end's score by their share of the candidates
 and a separate, lower suffix rate per token. The pool persists across generations (the paper's
 warm start) and can be saved with `PhrasePool.save`.
 
@@ -81,13 +83,11 @@ from .phrase_pool import Phrase, PhrasePool, PhrasePoolError
 DRAFT_SOURCE = "draft_model"
 POOL_SOURCE = "pool"
 _GREEDY = SamplingParams()
-# Priors of the acceptance rates: how often the target takes the draft model's next token, a
-# suffix candidate's next token, and how often the draft model takes a pool phrase's next token.
-# The chain's is what qwen2.5-coder-0.5b reached drafting for the 1.5b (0.90, module docstring):
-# a prior much lower makes the engine verify none of the first drafts, so the rate is never learnt.
-_CHAIN_PRIOR = 0.9
+# Priors of the acceptance rates: how often the target takes a suffix candidate's next token, and
+# how often the draft model takes a pool phrase's next token.
 _SUFFIX_PRIOR = 0.5
 _POOL_PRIOR = 0.75
+_CALIBRATION_MEMORY = 0.95  # per proposal: the calibration follows the text being generated
 _MAX_PAUSE = 64  # proposals skipped at most after the engine verified none of a draft
 
 
@@ -139,7 +139,7 @@ class OuroborosDrafter(Drafter):
         self._vocab_size = self._draft_vocab
         self._eos = eos_token_ids(draft_model, draft_tokenizer)
         # The rates describe the model pair, not one request, so they outlive generations.
-        self._chain_rate = AgreementRate(prior=_CHAIN_PRIOR)
+        self._calibration = _Calibration()
         self._suffix_rate = AgreementRate(prior=_SUFFIX_PRIOR)
         self._pool_rate = AgreementRate(prior=_POOL_PRIOR)
         self._reset()
@@ -150,6 +150,8 @@ class OuroborosDrafter(Drafter):
         self._learned = 0  # tokens of the context whose beta-gram ending there the pool has seen
         # The last proposal: its chain length and the pool phrases hung after it, for `observe`.
         self._chain_length = 0
+        self._chain_scores: list[float] = []
+        self._chain_confidence: list[float] = []
         # Per generation: the engine also cuts drafts to the tokens a generation has left.
         self._depth = _DepthLimit(self.gamma)
         self._suffixes: list[Phrase] = []
@@ -198,17 +200,17 @@ class OuroborosDrafter(Drafter):
         self._chain_length, self._suffixes = 0, []
         # Old evidence fades with every step, drafted or not, so a pair whose drafts stopped
         # paying is tried again later.
-        for rate in (self._chain_rate, self._suffix_rate):
-            rate.observe(0, 0)
+        self._suffix_rate.observe(0, 0)
+        self._calibration.fade()
         if budget < 1:
             return DraftTree.empty()
         length = min(self.gamma, budget, self._depth.allowed())
-        # Past this test the sentence draft gets at least one token: its score, the rate, clears min_score.
-        if length < 1 or self._chain_rate.rate < self.min_score:
+        if length < 1:
             return DraftTree.empty()
         self._sync(tokens[:-1])
         chain = self._sentence_draft(tokens[-1], length)[:budget]
         self._chain_length = len(chain)
+        self._chain_scores = self._chain_scores[: len(chain)]
         if budget > len(chain) and chain[-1] not in self._eos:
             self._suffixes = self._usable(self.pool.candidates(chain[-1], self.K))
         return self._longer_draft(chain, budget)
@@ -231,10 +233,21 @@ class OuroborosDrafter(Drafter):
             self._cached.extend(context[common:])
 
     def _sentence_draft(self, root: int, length: int) -> list[int]:
-        """Greedy draft-model tokens after `root`, phrase by phrase, until `length` or the score floor."""
-        first, draft, rate = root, [], self._chain_rate.rate
-        while len(draft) < length and rate ** (len(draft) + 1) >= self.min_score:
-            tokens = self._draft_step(root).accepted_tokens
+        """Greedy draft-model tokens after `root`, phrase by phrase, until `length` or the score floor.
+
+        A token's acceptance estimate is the draft model's own probability for it, calibrated
+        against what the target accepted; the chain's score is their running product, and the
+        draft stops once that falls below `min_score` (a draft forward would cost more than the
+        target time it is expected to save).
+        """
+        first, draft, score = root, [], 1.0
+        self._chain_scores, self._chain_confidence = [], []
+        while len(draft) < length and score >= self.min_score:
+            tokens, confidence = self._draft_step(root)
+            for c in confidence:
+                score *= self._calibration.estimate(c)
+                self._chain_scores.append(score)
+            self._chain_confidence.extend(confidence)
             draft.extend(tokens)
             root = tokens[-1]
             if any(t in self._eos for t in tokens):
@@ -246,8 +259,9 @@ class OuroborosDrafter(Drafter):
         return draft
 
     @torch.inference_mode()
-    def _draft_step(self, root: int) -> Verification:
-        """One draft forward: check the pool's phrases after `root`, keep the longest agreed plus one token."""
+    def _draft_step(self, root: int) -> tuple[list[int], list[float]]:
+        """One draft forward: check the pool's phrases after `root`, keep the longest agreed plus one
+        token; returns those tokens and the draft model's probability of each."""
         phrases = self._usable(self.pool.candidates(root))
         tree = self._pool_tree(phrases)
         window = sliding_window(self._cache)
@@ -265,7 +279,8 @@ class OuroborosDrafter(Drafter):
         if tree.tokens:
             self._pool_rate.observe(*agreement_trials(step))
         self._refresh_best(phrases, step.accepted_tokens[:-1])
-        return step
+        rows = logits[[0, *(i + 1 for i in step.accepted_nodes)], : self._vocab_size].float()
+        return step.accepted_tokens, torch.softmax(rows, dim=-1).amax(dim=-1).tolist()
 
     def _pool_tree(self, phrases: list[Phrase]) -> DraftTree:
         """The phrases' continuations as one tree, cut to the best-first nodes that pay for their cost."""
@@ -302,8 +317,7 @@ class OuroborosDrafter(Drafter):
 
     def _longer_draft(self, chain: list[int], budget: int) -> DraftTree:
         """The chain, then the suffix candidates hung after its last token, scores best-first."""
-        rate = self._chain_rate.rate
-        scores = [rate**depth for depth in range(1, len(chain) + 1)]
+        scores = self._chain_scores
         parents = list(range(-1, len(chain) - 1))
         tails = [p[1:] for p in self._suffixes]
         suffix = _phrase_tree(tails, budget - len(chain), self._suffix_rate.rate, POOL_SOURCE, scores[-1])
@@ -324,7 +338,8 @@ class OuroborosDrafter(Drafter):
             return
         accepted = len(verification.accepted_nodes)
         agreed = min(accepted, len(chain))  # the accepted path runs down the chain first
-        self._chain_rate.observe(agreed, agreed + (agreed < len(chain)))
+        trials = agreed + (agreed < len(chain))
+        self._calibration.observe(agreed, sum(self._chain_confidence[:trials]))
         self._inspire(verification, chain, agreed)
         if len(chain) == self._chain_length:
             if agreed == len(chain):
@@ -373,6 +388,27 @@ class OuroborosDrafter(Drafter):
         self._learned = len(tokens)
 
 
+class _Calibration:
+    """How the target's acceptance of a draft token relates to the draft model's probability for it:
+    estimate = min(1, factor * probability), the factor counted from verifications (faded each step)."""
+
+    def __init__(self, prior_weight: float = 4.0):
+        self._prior = prior_weight
+        self._agreed = 0.0
+        self._expected = 0.0
+
+    def estimate(self, probability: float) -> float:
+        return min(1.0, probability * (self._agreed + self._prior) / (self._expected + self._prior))
+
+    def observe(self, agreed: int, expected: float) -> None:
+        self._agreed += agreed
+        self._expected += expected
+
+    def fade(self) -> None:
+        self._agreed *= _CALIBRATION_MEMORY
+        self._expected *= _CALIBRATION_MEMORY
+
+
 class _DepthLimit:
     """How deep to draft: the engine verifies only the best-first prefix of a draft that pays for its
     target forward, so drafting deeper than it verifies wastes draft forwards.
@@ -393,12 +429,13 @@ class _DepthLimit:
         if self._pause:
             self._pause -= 1
             return 0
-        return max(self.depth, 1)
+        return self.depth
 
     def observe(self, proposed: int, verified: int) -> None:
         if verified == 0:
             self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, _MAX_PAUSE)
-            self.depth = 0
+            # The probe after the pause drafts in full: a short one may never pay to verify.
+            self.depth = self.most
         else:
             self._next_pause = 1
             self.depth = min(verified + 1, self.most) if verified == proposed else verified
