@@ -34,7 +34,7 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
 - The sentence draft also stops when its next token's acceptance estimate falls below
   `min_score` (such a token costs more draft time than the target time it is expected to save),
   and at the depth the engine verified last time (it verifies only the prefix of a draft that
-  pays for its target forward; drafting deeper wastes draft forwards). When the engine verifies
+  pays for its target forward; drafting deeper wastes draft forwards). When the target accepts
   none of a draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
 - The draft model drafts greedily, also when the target samples (verification stays exact).
 
@@ -88,7 +88,7 @@ _GREEDY = SamplingParams()
 _SUFFIX_PRIOR = 0.5
 _POOL_PRIOR = 0.75
 _CALIBRATION_MEMORY = 0.95  # per proposal: the calibration follows the text being generated
-_MAX_PAUSE = 64  # proposals skipped at most after the engine verified none of a draft
+_MAX_PAUSE = 64  # proposals skipped at most after the target accepted none of a draft
 
 
 class OuroborosDrafter(Drafter):
@@ -332,12 +332,11 @@ class OuroborosDrafter(Drafter):
     def observe(self, verification: Verification) -> None:
         tree = verification.tree
         chain = [i for i in range(len(tree)) if tree.source(i) == DRAFT_SOURCE]
+        agreed = min(len(verification.accepted_nodes), len(chain))  # the accepted path runs down the chain first
         if self._chain_length:
-            self._depth.observe(self._chain_length, len(chain))
+            self._depth.observe(self._chain_length, len(chain), agreed)
         if not chain:
             return
-        accepted = len(verification.accepted_nodes)
-        agreed = min(accepted, len(chain))  # the accepted path runs down the chain first
         trials = agreed + (agreed < len(chain))
         self._calibration.observe(agreed, sum(self._chain_confidence[:trials]))
         self._inspire(verification, chain, agreed)
@@ -414,8 +413,9 @@ class _DepthLimit:
     target forward, so drafting deeper than it verifies wastes draft forwards.
 
     After a chain verified whole, one token deeper is allowed (a probe); after a cut, the depth the
-    engine kept. When it kept nothing, drafting pauses for 1, 2, 4, ... proposals, then probes one
-    token: the engine decides from the scores, which barely move while nothing is verified.
+    engine kept. When the target accepted none of it (or the engine verified none), drafting pauses
+    for 1, 2, 4, ... proposals, then probes in full: each draft forward costs about 0.4 of a target
+    forward here, so text the draft model cannot predict must not keep paying for it.
     """
 
     def __init__(self, most: int):
@@ -431,8 +431,8 @@ class _DepthLimit:
             return 0
         return self.depth
 
-    def observe(self, proposed: int, verified: int) -> None:
-        if verified == 0:
+    def observe(self, proposed: int, verified: int, agreed: int) -> None:
+        if agreed == 0:
             self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, _MAX_PAUSE)
             # The probe after the pause drafts in full: a short one may never pay to verify.
             self.depth = self.most
