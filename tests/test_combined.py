@@ -103,6 +103,16 @@ def test_a_slow_drafter_that_adds_nothing_is_skipped_and_retried():
     assert 2 < slow.proposals < 10  # measured twice, then only retried
 
 
+def test_a_cheap_drafter_is_kept_while_it_has_not_helped_yet():
+    cheap = FixedDrafter("cheap", DraftTree([8], [-1], ["cheap"], [0.9]))
+    combined = CombinedDrafter([cheap])
+    for _ in range(40):
+        tree = combined.propose([1], budget=4)
+        time.sleep(0.02)  # a forward 200 times the drafter's time (a trie lookup next to a CPU forward)
+        combined.observe(Verification(tree, [], [3], [3, 3]))
+    assert cheap.proposals == 40
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_combined_drafters_match_generate(arch, tokenizer):
     model = tiny_model(arch, seed=1)

@@ -32,6 +32,7 @@ _CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1
 # that still does not pay (a retry costs: a skipped draft model must catch up on the text it missed).
 _FIRST_RETRY = 16
 _LAST_RETRY = 256
+_TOLERANCE = 0.02  # slower by at most this share still counts as paying (drafting time under ~2%)
 
 Path = tuple[int, ...]
 
@@ -53,11 +54,16 @@ class _Ledger:
         return (self.accepted + _CALIBRATION_PRIOR) / (self.expected + _CALIBRATION_PRIOR)
 
     def pays(self, target_s: float, others_s: float) -> bool:
-        """Whether steps with this drafter yield more tokens per second than without it."""
+        """Whether steps with this drafter yield at least about as many tokens per second as without it.
+
+        The tolerance keeps a drafter whose time is negligible (a trie lookup: 0.1 ms against a
+        300 ms forward) even while it has not helped yet: skipping it would save nothing, and its
+        help often starts later in the answer (a summary quotes its article after a paraphrased start).
+        """
         if self.samples < 2:
             return True
         with_speed = (1 + self.with_tokens) / (target_s + others_s + self.propose_s)
-        return with_speed >= (1 + self.without_tokens) / (target_s + others_s)
+        return with_speed >= (1 - _TOLERANCE) * (1 + self.without_tokens) / (target_s + others_s)
 
 
 def _average(old: float, new: float, first: bool) -> float:
