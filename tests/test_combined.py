@@ -100,7 +100,7 @@ def test_a_slow_drafter_that_adds_nothing_is_skipped_and_retried():
         time.sleep(0.002)  # the target's forward
         combined.observe(Verification(tree, [tree.tokens.index(5)], [5, 3], [5] + [3] * len(tree)))
     assert good.proposals == 40
-    assert 2 < slow.proposals < 10  # measured twice, then only retried
+    assert slow.proposals == 2  # measured once, skipped, retried after 32 steps
 
 
 def test_a_cheap_drafter_is_kept_while_it_has_not_helped_yet():

@@ -10,7 +10,7 @@ drafter that runs a model can cost a third of a target forward per proposal on a
 combined drafter keeps, per drafter and across generations, how its estimates compare with what
 was accepted (and rescales them), and how many tokens per second the steps yield with it against
 without it (the tokens the other drafters' trees would have covered, over the time without its
-drafting). A drafter that does not pay is skipped, and tried again after 16, 32, 64, ... steps.
+drafting). A drafter that does not pay is skipped, and tried again after 32, 64, 128, ... steps.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _MEMORY = 0.9  # weight of the past in the running averages below
 _CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1.0
 # Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
 # that still does not pay (a retry costs: a skipped draft model must catch up on the text it missed).
-_FIRST_RETRY = 16
+_FIRST_RETRY = 32
 _LAST_RETRY = 256
 _TOLERANCE = 0.02  # slower by at most this share still counts as paying (drafting time under ~2%)
 
@@ -60,7 +60,7 @@ class _Ledger:
         300 ms forward) even while it has not helped yet: skipping it would save nothing, and its
         help often starts later in the answer (a summary quotes its article after a paraphrased start).
         """
-        if self.samples < 2:
+        if self.samples < 1:
             return True
         with_speed = (1 + self.with_tokens) / (target_s + others_s + self.propose_s)
         return with_speed >= (1 - _TOLERANCE) * (1 + self.without_tokens) / (target_s + others_s)

@@ -16,7 +16,7 @@ from ..budget import MatchAgreement
 from ..datastore import Datastore, DatastoreError, check_retrieval_arguments, tokenizer_fingerprint
 from ..tree import DraftTree
 from ..verify import Verification
-from .base import DraftContext, Drafter
+from .base import Drafter
 from .frequency_trie import best_subtree, frequency_trie
 
 
@@ -29,6 +29,8 @@ class RESTDrafter(Drafter):
         self.n_max = n_max
         self.m = m
         self.max_matches = max_matches
+        # Unlike the documents of one request, the datastore stays: how well it predicts this model
+        # carries over between generations (old evidence still fades each step).
         self._agreement = MatchAgreement()
 
     def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
@@ -43,9 +45,6 @@ class RESTDrafter(Drafter):
                 f"the datastore's vocabulary ({self.datastore.vocab_size} ids) is larger than the model's "
                 f"({vocab_size}): it was built for another model; rebuild it with this model's tokenizer"
             )
-
-    def start(self, context: DraftContext) -> None:
-        self._agreement = MatchAgreement()
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         if budget < 1:
