@@ -73,7 +73,8 @@ def _average(old: float, new: float, first: bool) -> float:
 class CombinedDrafter(Drafter):
     name = "combined"
 
-    def __init__(self, drafters: Sequence[Drafter]):
+    def __init__(self, drafters: Sequence[Drafter], *, skip_unpaid: bool = True):
+        """`skip_unpaid=False` keeps every drafter on every step, whatever its time costs."""
         drafters = list(drafters)
         if not drafters or not all(isinstance(d, Drafter) for d in drafters):
             raise InvalidArgumentError("CombinedDrafter needs a non-empty list of drafters")
@@ -81,6 +82,7 @@ class CombinedDrafter(Drafter):
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"drafter names must be distinct to credit their tokens, got {names}")
         self.drafters = drafters
+        self.skip_unpaid = skip_unpaid
         self._ledgers = {d.name: _Ledger() for d in drafters}
         self._target_s = 0.0
         self._proposals: dict[str, tuple[DraftTree, list[Path]]] = {}
@@ -100,7 +102,7 @@ class CombinedDrafter(Drafter):
         chosen = []
         for drafter in self.drafters:
             ledger = self._ledgers[drafter.name]
-            if ledger.pays(self._target_s, total_s - ledger.propose_s):
+            if not self.skip_unpaid or ledger.pays(self._target_s, total_s - ledger.propose_s):
                 ledger.skipped_for, ledger.retry_after = 0, _FIRST_RETRY
                 chosen.append(drafter)
             elif ledger.skipped_for >= ledger.retry_after:
