@@ -131,7 +131,9 @@ class Verifier:
         """Verify `tree` after `root`, leave the cache holding root + accepted path, return the result."""
         if not tree_mode:
             tree = tree.longest_branch()
-        logits = (self.forward_tree if tree_mode else self.forward_chain)(cache, root, tree)
+        # Without a draft, plain decoding's own forward (no custom mask to build and apply) is the cheapest.
+        chain = not tree_mode or not tree.tokens
+        logits = (self.forward_chain if chain else self.forward_tree)(cache, root, tree)
         result = accept(tree, logits, params, generator)
         keep_cache_entries(cache, len(tree) + 1, [0] + [i + 1 for i in result.accepted_nodes])
         return result
@@ -142,10 +144,10 @@ class Verifier:
         vocab = self.model.get_input_embeddings().num_embeddings
         cache = make_cache(self.model)
         self.prefill(cache, [(7 * i + 3) % vocab for i in range(context)])
-        forward = self.forward_tree if tree_mode else self.forward_chain
-
         @torch.inference_mode()
         def run(q: int) -> None:
+            # The forward `step` would run for q tokens.
+            forward = self.forward_tree if tree_mode and q > 1 else self.forward_chain
             forward(cache, 1, DraftTree.chain([1] * (q - 1)))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -50,15 +50,13 @@ Hence `draft_tree_budget=16` (a 16-node tree costs 3.4 single-token forwards, an
 steepens beyond) and `min_score=0.4` (a draft forward costs 0.39 of a target forward). The
 target's cost is flat from q=9 to 17, so the paper's gamma=12 is kept, and W=20, beta=8, K=3.
 
-End to end (0.5b drafting for 1.5b, a code prompt, chat template): with every draft verified the
-target agreed with the draft model's next token at a rate of 0.90, 96 tokens took 14 target
-forwards, and suffixes were accepted 5 of 32 times on a warm pool. With the engine's measured
-costs and these defaults, 48 tokens took 10 target forwards at 2.5 tokens/s against about 2.7
-for plain decoding (one 367 ms forward per token): drafting (62 draft forwards) took 65% of the
-time. So on this CPU a 0.5b draft model roughly breaks even for a 1.5b target. No pool tree
-paid in the draft forward there (2 tokens cost twice 1): the draft model ran one token per
-forward. A 16-node tree pays once its phrases are expected to add 2.4 tokens, which takes text
-that repeats (earlier outputs, the documents).
+End to end (0.5b drafting for 1.5b, Spec-Bench, docs/benchmarks.md section 4): 3-4.6 tokens per
+target forward where the draft model predicts the target (summarization, math), but drafting takes
+55-62% of decode time there, so 0.86-1.23x plain decoding; where it does not (translation, qa),
+the pause after unaccepted drafts holds the loss to 0.78-0.86x. On this CPU a 0.5b draft model
+roughly breaks even for a 1.5b target; `CombinedDrafter` therefore measures whether it pays.
+No pool tree paid in the draft forward (2 tokens cost twice 1): a 16-node tree pays once its
+phrases are expected to add 2.4 tokens, which takes text that repeats.
 """
 
 from __future__ import annotations
