@@ -17,9 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from transformers.generation.streamers import BaseStreamer
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import (
     Datastore,
@@ -30,6 +27,7 @@ from rag_speculate import (
     SpeculativeEngine,
     Verification,
 )
+from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel, best_prefix
 from rag_speculate.tree import ROOT
 
@@ -45,37 +43,12 @@ class Item:
     answers: list[str] = field(default_factory=list)
 
 
-class FirstTokenClock(BaseStreamer):
-    """Records when `generate` produced its first new token (its first `put` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts = 0
-        self.first_token_at: float | None = None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
 def hf_method(engine: SpeculativeEngine, **kwargs) -> Method:
     """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model)."""
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
-        inputs = torch.tensor([ids], device=engine.model.device)
-        clock = FirstTokenClock()
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = engine.model.generate(
-                inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
-                streamer=clock, **kwargs,
-            )
-        ended = time.perf_counter()
-        return {"tokens": out[0, len(ids) :].tolist(), "total_s": ended - started,
-                "decode_s": ended - (clock.first_token_at or ended), "forwards": None}
+        out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
+        return {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "forwards": None}
 
     return run
 

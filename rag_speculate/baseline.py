@@ -1,0 +1,50 @@
+"""Plain `model.generate`, timed the way the engine times itself: what every speed-up is measured against."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+
+
+@dataclass(frozen=True)
+class TimedGeneration:
+    token_ids: list[int]
+    total_s: float
+    # From the first new token to the last: prefill is the same work for every method, and
+    # speculation cannot touch it.
+    decode_s: float
+
+
+class _FirstTokenClock(BaseStreamer):
+    """Records when `generate` produced its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, **kwargs: Any) -> TimedGeneration:
+    """Greedy `model.generate` (plus `kwargs`: prompt lookup, an assistant model), with its timings."""
+    inputs = torch.tensor([prompt_ids], device=model.device)
+    clock = _FirstTokenClock()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
+            streamer=clock, **kwargs,
+        )
+    ended = time.perf_counter()
+    return TimedGeneration(out[0, len(prompt_ids) :].tolist(), ended - started, ended - (clock.first_token_at or ended))
