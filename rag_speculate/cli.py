@@ -103,7 +103,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index)
-    engine = _rag_engine(args.model, index)
+    engine = _rag_engine(SpeculativeEngine.from_pretrained(args.model, progress=_progress), index)
     result, chunks = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
     _print_sources(chunks)
@@ -154,9 +154,8 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rag_engine(model: str | SpeculativeEngine, index: CorpusIndex) -> SpeculativeEngine:
-    """An engine drafting from both the retrieved chunks (trie) and the whole corpus (REST), in one tree."""
-    engine = model if isinstance(model, SpeculativeEngine) else SpeculativeEngine.from_pretrained(model, progress=_progress)
+def _rag_engine(engine: SpeculativeEngine, index: CorpusIndex) -> SpeculativeEngine:
+    """`engine`'s model drafting from both the retrieved chunks (trie) and the whole corpus (REST), in one tree."""
     index.check_tokenizer(engine.tokenizer)
     return SpeculativeEngine(
         engine.model, engine.tokenizer, [NGramTrieDrafter(), RESTDrafter(index.datastore)], name=engine.name

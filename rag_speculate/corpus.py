@@ -393,12 +393,8 @@ class CorpusIndex:
         """
         path = Path(path)
         manifest = _read_manifest(path)
-        if tokenizer is not None and tokenizer_fingerprint(tokenizer) != manifest["tokenizer_fingerprint"]:
-            raise CorpusIndexError(
-                f"index {path} was built with another tokenizer (its vocabulary or special tokens differ), so its "
-                "token ids mean other text for this model; rebuild it with: rag-speculate index CORPUS --out "
-                f"{path} --model <this model>"
-            )
+        if tokenizer is not None:
+            _check_tokenizer(path, manifest, tokenizer)
         built_with = manifest["embedding"]
         if not isinstance(embedder, Embedder):
             embedder = load_embedder(embedder or built_with["name"])
@@ -439,8 +435,7 @@ class CorpusIndex:
 
     def check_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raise unless the chunks' token ids mean the same text for `tokenizer`."""
-        if tokenizer_fingerprint(tokenizer) != self.manifest["tokenizer_fingerprint"]:
-            raise CorpusIndexError(f"index {self.path} was built with another tokenizer than this model's; rebuild it")
+        _check_tokenizer(self.path, self.manifest, tokenizer)
 
 
 def drafting_documents(chunks: Sequence[Chunk]) -> list[list[int]]:
@@ -521,6 +516,15 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise _damaged(path, f"it has format version {manifest.get('format_version')!r}, this rag-speculate reads {FORMAT_VERSION}")
     return manifest
+
+
+def _check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> None:
+    if tokenizer_fingerprint(tokenizer) != manifest["tokenizer_fingerprint"]:
+        raise CorpusIndexError(
+            f"index {path} was built with another tokenizer (its vocabulary or special tokens differ), so its "
+            "token ids mean other text for this model; rebuild it with: rag-speculate index CORPUS --out "
+            f"{path} --model <this model>"
+        )
 
 
 def _check_file(path: Path, name: str, spec: dict[str, Any]) -> None:

@@ -38,25 +38,24 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
   none of a draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
 - The draft model drafts greedily, also when the target samples (verification stays exact).
 
-Measured for the defaults (fp32, torch.set_num_threads(2), this project's 2-core AVX2 machine,
-~500 tokens of context; one forward over q tokens, q = tree nodes + 1):
+Measured for the defaults (fp32, 2 threads, this project's 2-core AVX2 machine, 500 tokens of
+context; `benchmarks/forward_cost.py --context 500`, docs/benchmarks.md section 1): one forward
+over q tokens of qwen2.5-coder-0.5b-instruct (draft) costs 120 ms at q=1, 2.1x at 2, 2.4x at 8,
+2.7x at 16 and 4.1x at 32; of qwen2.5-coder-1.5b-instruct (target) 340 ms at q=1, 2.8x at 8,
+3.3x at 16.
 
-    qwen2.5-coder-0.5b-instruct (draft)   q=1: 125 ms, 2: 280 (2.2x), 5: 345 (2.8x),
-                                          9: 385 (3.1x), 17: 421 (3.4x), 33: 534 (4.3x),
-                                          65: 729 ms (5.8x); prefill of 500 tokens 4.7 s
-    qwen2.5-coder-1.5b-instruct (target)  q=1: 324 ms, 9: 1063 (3.3x), 17: 1067 (3.3x)
-
-Hence `draft_tree_budget=16` (a 16-node tree costs 3.4 single-token forwards, and the curve
-steepens beyond) and `min_score=0.4` (a draft forward costs 0.39 of a target forward). The
-target's cost is flat from q=9 to 17, so the paper's gamma=12 is kept, and W=20, beta=8, K=3.
+Hence `draft_tree_budget=16` (a 16-node tree costs 2.7 single-token forwards, and the curve
+steepens beyond) and `min_score=0.4` (a draft forward costs 0.35 of a target forward, plus its
+bookkeeping). The target's cost is nearly flat from q=8 to 16, so the paper's gamma=12 is kept,
+and W=20, beta=8, K=3.
 
 End to end (0.5b drafting for 1.5b, Spec-Bench, docs/benchmarks.md section 4): 3-4.6 tokens per
 target forward where the draft model predicts the target (summarization, math), but drafting takes
-55-62% of decode time there, so 0.86-1.23x plain decoding; where it does not (translation, qa),
+55-64% of decode time there, so 0.86-1.23x plain decoding; where it does not (translation, qa),
 the pause after unaccepted drafts holds the loss to 0.78-0.86x. On this CPU a 0.5b draft model
 roughly breaks even for a 1.5b target; `CombinedDrafter` therefore measures whether it pays.
 No pool tree paid in the draft forward (2 tokens cost twice 1): a 16-node tree pays once its
-phrases are expected to add 2.4 tokens, which takes text that repeats.
+phrases are expected to add 1.7 tokens, which takes text that repeats.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 from llama_index.llms.rag_speculate import DraftDocumentsPostprocessor, SpeculativeHFLLM, drafting_from
 from llama_index.llms.rag_speculate.documents import current_documents, drafter_documents
 from llama_index.vector_stores.faiss import FaissVectorStore
-from nq_corpus import embedding_model_path
 from pydantic import Field, ValidationError
 
 from rag_speculate import Drafter, DraftTree, SpeculativeEngine
+from rag_speculate.corpus import packaged_embedding_path
 
 from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, MODEL
 
@@ -153,7 +153,7 @@ def test_per_call_arguments_are_honoured(llm):
 
 @pytest.fixture(scope="module")
 def embed_model() -> HuggingFaceEmbedding:
-    return HuggingFaceEmbedding(model_name=str(embedding_model_path()), device="cpu")
+    return HuggingFaceEmbedding(model_name=str(packaged_embedding_path()), device="cpu")
 
 
 def _faiss_index(nodes: list[TextNode], embed_model: HuggingFaceEmbedding) -> VectorStoreIndex:
