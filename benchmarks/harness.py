@@ -237,10 +237,10 @@ def replay(drafter: Drafter, item: Item, reference: list[int], budget: int, cost
     drafter.start(DraftContext(item.prompt_ids, documents, vocab_size))
     tokens, position, forwards = [*item.prompt_ids, reference[0]], 1, 1
     while position < len(reference):
-        remaining = len(reference) - position
-        tree = drafter.propose(tokens, budget).truncated(budget, remaining - 1)
+        step_budget = min(budget, len(reference) - position - 1)
+        tree = drafter.propose(tokens, step_budget).truncated(step_budget)
         if tree.scores:
-            tree = tree.truncated(best_prefix(tree.scores, cost), remaining - 1)
+            tree = tree.truncated(best_prefix(tree.scores, cost))
         children, node, path = tree.children(), ROOT, []
         while (child := children.get(node, {}).get(reference[position + len(path)])) is not None:
             path.append(child)

@@ -2,7 +2,7 @@
 
     python3 benchmarks/spec_bench.py --n 1 --max-new-tokens 256 --out benchmarks/results/spec_bench_fp32
     python3 benchmarks/spec_bench.py --methods hf-greedy,hf-assisted,ouroboros,ouroboros-warm,combined \
-        --draft-model qwen2.5-coder-0.5b-instruct --datastore DIR --out benchmarks/results/ouroboros
+        --draft-model qwen2.5-coder-0.5b-instruct --draft-int8 --datastore DIR --out benchmarks/results/ouroboros
 
 `rag` items hand their passages to the drafters as documents; the other categories have none.
 `--datastore` (a folder written by `rag-speculate index`, or a saved REST datastore) enables the
@@ -20,7 +20,7 @@ import torch
 from harness import Item, build_methods, markdown, measure, plot, summarize
 
 from rag_speculate import Datastore, SpeculativeEngine
-from rag_speculate.loading import load_model
+from rag_speculate.loading import int8_draft_model, load_model
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ["summarization", "rag", "qa", "math_reasoning", "translation"]
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft-model", default=None, help="for hf-assisted, ouroboros and combined")
+    parser.add_argument("--draft-int8", action="store_true", help="the draft model computes in int8 (loading.int8_draft_model), for every method that uses it")
     parser.add_argument("--datastore", type=Path, default=None, help="for rest, trie+rest and combined")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
@@ -77,6 +78,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     engine = SpeculativeEngine.from_pretrained(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    if draft and args.draft_int8:
+        draft = (int8_draft_model(draft[0]), draft[1])
     methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft)
     items = load_items(engine, args.data, args.categories.split(","), args.n)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs

@@ -64,14 +64,23 @@ class CostModel:
         return float(np.interp(q, sizes, seconds))
 
     def observe(self, q: int, seconds: float) -> None:
+        """Move the timed sizes that predicted c(q) toward the observed time, each by its share.
+
+        Observations never become sizes of their own: the engine verifies a few sizes over and over,
+        and a size learnt alone drifts away from its neighbours (noise, a longer context), so the
+        sizes beside it stop looking worth verifying and are never timed again.
+        """
         if not self.learn:
             return
-        i = bisect.bisect_left(self._sizes, q)
-        if i < len(self._sizes) and self._sizes[i] == q:
-            self._seconds[i] = _COST_MEMORY * self._seconds[i] + (1 - _COST_MEMORY) * seconds
+        sizes, ratio = self._sizes, seconds / self(q)
+        i = bisect.bisect_left(sizes, q)
+        if i == len(sizes) or sizes[i] == q or i == 0:
+            shares = {min(i, len(sizes) - 1): 1.0}
         else:
-            self._sizes.insert(i, q)
-            self._seconds.insert(i, seconds)
+            below, above = sizes[i - 1], sizes[i]
+            shares = {i - 1: (above - q) / (above - below), i: (q - below) / (above - below)}
+        for j, share in shares.items():
+            self._seconds[j] *= 1 + (1 - _COST_MEMORY) * share * (ratio - 1)
 
 
 class AgreementRate:

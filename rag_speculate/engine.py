@@ -154,10 +154,13 @@ class SpeculativeEngine:
             params, generator = request.sampling, self._generator(request.seed)
             output = OutputTracker(self.tokenizer, self.eos_token_ids, request.stop, request.max_new_tokens)
 
-            self.drafter.start(DraftContext(request.prompt_ids, request.document_ids, self.vocab_size))
-            stats.drafting_s += time.perf_counter() - started
-
             cache = make_cache(self.model)
+            tree_mode = self._tree_mode(cache, request)
+            costs = self._cost_model(tree_mode)
+            drafting_started = time.perf_counter()
+            self.drafter.start(DraftContext(request.prompt_ids, request.document_ids, self.vocab_size, costs))
+            stats.drafting_s += time.perf_counter() - drafting_started
+
             prefill_started = time.perf_counter()
             first = sample_token(self._verifier.prefill(cache, request.prompt_ids), params, generator)
             stats.prefill_s = time.perf_counter() - prefill_started
@@ -165,18 +168,17 @@ class SpeculativeEngine:
             stats.time_to_first_token_s = time.perf_counter() - started
             tokens = [*request.prompt_ids, first]
             output.extend([first])
-            tree_mode = self._tree_mode(cache, request)
             stats.verification = "tree" if tree_mode else "chain"
             yield output.delta()
-            costs = self._cost_model(tree_mode)
 
             decode_started = time.perf_counter()
             while not output.done:
                 draft_started = time.perf_counter()
-                remaining = request.max_new_tokens - len(output.token_ids)
-                tree = self._checked(self.drafter.propose(tokens, self.draft_budget)).truncated(self.draft_budget, remaining - 1)
+                # A draft longer than the tokens left could only be cut: don't pay to draft it.
+                budget = min(self.draft_budget, request.max_new_tokens - len(output.token_ids) - 1)
+                tree = self._checked(self.drafter.propose(tokens, budget)).truncated(budget)
                 if tree.scores:
-                    tree = tree.truncated(best_prefix(tree.scores, costs), remaining - 1)
+                    tree = tree.truncated(best_prefix(tree.scores, costs))
                 stats.drafting_s += time.perf_counter() - draft_started
 
                 forward_started = time.perf_counter()

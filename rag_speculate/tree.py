@@ -68,8 +68,9 @@ class DraftTree:
             out.setdefault(p, {}).setdefault(tok, i)
         return out
 
-    def truncated(self, max_nodes: int, max_depth: int) -> DraftTree:
+    def truncated(self, max_nodes: int, max_depth: int | None = None) -> DraftTree:
         """The nodes among the first `max_nodes` whose depth is at most `max_depth` (a valid subtree)."""
+        max_depth = max_nodes if max_depth is None else max_depth
         if len(self) <= max_nodes and (not self.tokens or max(self.depths()) <= max_depth):
             return self
         keep: dict[int, int] = {ROOT: ROOT}

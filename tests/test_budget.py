@@ -22,8 +22,16 @@ def test_cost_model_interpolates_extrapolates_and_follows_observations():
     FP32_copy = CostModel({1: 0.393, 17: 1.084})
     FP32_copy.observe(17, 2.084)
     assert FP32_copy(17) == pytest.approx(0.8 * 1.084 + 0.2 * 2.084)
-    FP32_copy.observe(5, 0.5)
-    assert FP32_copy(5) == pytest.approx(0.5)
+    # Between timed sizes, both neighbours move by their share and no new size appears.
+    before = {q: FP32_copy(q) for q in (1, 9, 17)}
+    FP32_copy.observe(9, 2 * before[9])
+    assert FP32_copy._sizes == [1, 17]
+    assert FP32_copy(1) == pytest.approx(before[1] * 1.1)
+    assert FP32_copy(17) == pytest.approx(before[17] * 1.1)
+    assert before[9] < FP32_copy(9) < 2 * before[9]
+    # Past the last timed size, the last one moves.
+    FP32_copy.observe(33, FP32_copy(33) / 2)
+    assert FP32_copy(17) == pytest.approx(before[17] * 1.1 * 0.9)
 
 
 def chain(rate: float) -> list[float]:

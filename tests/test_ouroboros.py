@@ -19,20 +19,22 @@ from rag_speculate import (
     SpeculativeEngine,
 )
 from rag_speculate.budget import CostModel
+from rag_speculate.loading import int8_draft_model
 from rag_speculate.sampling import SamplingParams
 from rag_speculate.verify import Verification, accept
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, Einstein published"]
 
 
-def flat_cost() -> CostModel:
+def flat_cost(seconds: float = 1.0) -> CostModel:
     # Every forward costs the same: drafting is never skipped because of timing noise.
-    return CostModel({1: 1.0, 65: 1.0}, learn=False)
+    return CostModel({1: seconds, 65: seconds}, learn=False)
 
 
 def make_drafter(draft, tokenizer, **kwargs) -> OuroborosDrafter:
     drafter = OuroborosDrafter(draft, tokenizer, **kwargs)
-    drafter.cost_model = flat_cost()
+    # A draft forward at a tenth of a target forward: chains stop below acceptance estimates of 0.1.
+    drafter.cost_model = flat_cost(0.1)
     return drafter
 
 
@@ -90,6 +92,32 @@ def test_a_draft_model_equal_to_the_target_gets_long_drafts_accepted(tokenizer):
     assert result.token_ids == reference
     assert result.stats.tokens_per_forward > 2
     assert result.stats.accepted_tokens["draft_model"] > 24
+
+
+def test_an_int8_draft_model_keeps_the_output_identical(tokenizer):
+    target = tiny_model("qwen2", seed=0)
+    draft = int8_draft_model(tiny_model("qwen2", seed=0))
+    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
+    engine = make_engine(target, tokenizer, make_drafter(draft, tokenizer))
+    ids = tokenizer.encode(PROMPTS[0])
+    result = engine.generate(ids, max_new_tokens=40)
+    assert result.token_ids == hf_greedy(target, ids, 40)
+    # Quantized, the copy of the target still predicts it: its drafts get accepted.
+    assert result.stats.accepted_tokens["draft_model"] > 10
+
+
+def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_save(tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    lengths = []
+    for target_cost in (flat_cost(0.1), flat_cost(1000.0)):
+        drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, learn_from_context=False)
+        drafter.attach(tokenizer, VOCAB)
+        drafter.start(DraftContext(ids, [], VOCAB, target_cost))
+        lengths.append(len(drafter.propose(ids, budget=16)))
+    # As dear as a target forward: only a token the target surely takes is worth a draft forward,
+    # and a random draft model is never sure, so it stops after its first token. A ten-thousandth of
+    # a target forward: it drafts on until its estimates fall below 1e-4 (a random model: a few tokens).
+    assert lengths[0] == 1 and lengths[1] >= 4
 
 
 def test_sampling_is_reproducible_with_a_seed(tokenizer):

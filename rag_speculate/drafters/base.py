@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from ..budget import CostModel
 from ..tree import DraftTree
 from ..verify import Verification
 
@@ -23,6 +24,9 @@ class DraftContext:
     prompt_ids: Sequence[int]
     document_ids: Sequence[Sequence[int]]
     vocab_size: int
+    # The target's forward cost by tokens fed, as the engine measured it: what a drafter that
+    # spends time of its own (a draft model) weighs that time against. None where nothing was timed.
+    target_cost: CostModel | None = None
 
 
 class Drafter(ABC):

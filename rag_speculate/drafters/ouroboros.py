@@ -86,6 +86,8 @@ _SUFFIX_PRIOR = 0.5
 _POOL_PRIOR = 0.75
 _CALIBRATION_MEMORY = 0.95  # per proposal: the calibration follows the text being generated
 _MAX_PAUSE = 64  # proposals skipped at most after the target accepted none of a draft
+# The score floor when the target's costs are unknown: 0.5b fp32 drafting for 1.5b fp32 here.
+_FALLBACK_MIN_SCORE = 0.4
 
 
 class OuroborosDrafter(Drafter):
@@ -107,20 +109,22 @@ class OuroborosDrafter(Drafter):
         K: int = 3,
         pool: PhrasePool | None = None,
         draft_tree_budget: int = 16,
-        min_score: float = 0.4,
+        min_score: float | None = None,
         learn_from_context: bool = True,
     ):
         for arg, value, least in (("gamma", gamma, 1), ("K", K, 0), ("draft_tree_budget", draft_tree_budget, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise InvalidArgumentError(f"{arg} must be an integer >= {least}, got {value!r}")
-        if not 0 <= min_score <= 1:
-            raise InvalidArgumentError(f"min_score must be in [0, 1], got {min_score}")
+        if min_score is not None and not 0 <= min_score <= 1:
+            raise InvalidArgumentError(f"min_score must be in [0, 1] or None (from measured costs), got {min_score}")
         self.draft_model = draft_model.eval()
         self.draft_tokenizer = draft_tokenizer
         self.gamma = gamma
         self.K = K
         self.draft_tree_budget = draft_tree_budget
+        # None: the measured cost of a draft forward over the target's (see `_score_floor`).
         self.min_score = min_score
+        self._floor = _FALLBACK_MIN_SCORE if min_score is None else min_score
         self.learn_from_context = learn_from_context
         self.pool = pool if pool is not None else PhrasePool(W, beta)
         # Draft forward cost by tokens fed, timed at the first `start`; assign one to pin it (tests).
@@ -182,7 +186,7 @@ class OuroborosDrafter(Drafter):
                 self.pool.fill_from(ids)
         self._learned = len(context.prompt_ids)
         # Timed and prefilled here, so `last_propose_s` times drafting alone.
-        self._costs()
+        self._floor = self._score_floor(context.target_cost)
         self._sync(context.prompt_ids)
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
@@ -234,12 +238,12 @@ class OuroborosDrafter(Drafter):
 
         A token's acceptance estimate is the draft model's own probability for it, calibrated
         against what the target accepted; the chain's score is their running product, and the
-        draft stops once that falls below `min_score` (a draft forward would cost more than the
+        draft stops once that falls below the score floor (a draft forward would cost more than the
         target time it is expected to save).
         """
         first, draft, score = root, [], 1.0
         self._chain_scores, self._chain_confidence = [], []
-        while len(draft) < length and score >= self.min_score:
+        while len(draft) < length and score >= self._floor:
             tokens, confidence = self._draft_step(root)
             for c in confidence:
                 score *= self._calibration.estimate(c)
@@ -295,6 +299,15 @@ class OuroborosDrafter(Drafter):
             if list(phrase[1 : 1 + len(accepted)]) == accepted:
                 self.pool.add(phrase)
                 return
+
+    def _score_floor(self, target_cost: CostModel | None) -> float:
+        """The least acceptance estimate worth one more draft forward: the draft forward's cost over
+        the target's per token (a token accepted with probability s saves s target steps)."""
+        if self.min_score is not None:
+            return self.min_score
+        if target_cost is None:
+            return _FALLBACK_MIN_SCORE
+        return min(1.0, self._costs()(1) / target_cost(1))
 
     def _costs(self) -> CostModel:
         if self.cost_model is None:
