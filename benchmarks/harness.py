@@ -66,7 +66,8 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
         result = ours.generate(ids, documents=documents, max_new_tokens=max_new_tokens)
         s = result.stats
         return {"tokens": result.token_ids, "total_s": time.perf_counter() - started, "decode_s": s.decode_s,
-                "forwards": s.target_forwards, "drafting_s": s.drafting_s, "accepted": dict(s.accepted_tokens)}
+                "forwards": s.target_forwards, "drafting_s": s.drafting_s, "draft_setup_s": s.draft_setup_s,
+                "accepted": dict(s.accepted_tokens)}
 
     return run
 

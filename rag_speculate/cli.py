@@ -190,7 +190,7 @@ def _print_stats(result: GenerationResult) -> None:
           f"({s.tokens_per_forward:.2f} tokens/forward, {s.verification} verification)")
     print(f"  drafted {dict(s.drafted_tokens)}, accepted {dict(s.accepted_tokens)}")
     print(f"  time to first token {s.time_to_first_token_s:.2f} s, prefill {s.prefill_s:.2f} s, "
-          f"decode {s.decode_s:.2f} s ({s.decode_tokens_per_s:.2f} tok/s), drafting {s.drafting_s * 1000:.1f} ms")
+          f"decode {s.decode_s:.2f} s ({s.decode_tokens_per_s:.2f} tok/s), drafting {s.drafting_s * 1000:.1f} ms (+ {s.draft_setup_s * 1000:.1f} ms setup)")
     print(f"  finish reason: {result.finish_reason}")
 
 

@@ -157,9 +157,9 @@ class SpeculativeEngine:
             cache = make_cache(self.model)
             tree_mode = self._tree_mode(cache, request)
             costs = self._cost_model(tree_mode)
-            drafting_started = time.perf_counter()
+            setup_started = time.perf_counter()
             self.drafter.start(DraftContext(request.prompt_ids, request.document_ids, self.vocab_size, costs))
-            stats.drafting_s += time.perf_counter() - drafting_started
+            stats.draft_setup_s = time.perf_counter() - setup_started
 
             prefill_started = time.perf_counter()
             first = sample_token(self._verifier.prefill(cache, request.prompt_ids), params, generator)

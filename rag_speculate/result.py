@@ -18,6 +18,9 @@ class GenerationStats:
     time_to_first_token_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # The drafters' preparation before the prefill (indexing documents, a draft model's own
+    # prefill), then their proposing and learning during decode (part of decode_s).
+    draft_setup_s: float = 0.0
     drafting_s: float = 0.0
     # "tree": one forward verifies the whole draft tree; "chain": only its longest branch.
     verification: str = "tree"

@@ -103,6 +103,34 @@ def test_a_slow_drafter_that_adds_nothing_is_skipped_and_retried():
     assert slow.proposals == 2  # measured once, skipped, retried after 32 steps
 
 
+def test_a_dear_drafter_is_asked_only_when_the_cheaper_ones_found_little():
+    strong = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], ["trie"] * 6, [0.95] * 6)
+    trie = FixedDrafter("trie", strong)
+    model = FixedDrafter("model", DraftTree([7, 8], [-1, 0], ["model"] * 2, [0.9, 0.8]), delay_s=0.02)
+    combined = CombinedDrafter([trie, model])
+    asked = []
+    for step in range(10):
+        trie.tree = DraftTree.empty() if step % 2 == 0 else strong
+        before = model.proposals
+        tree = combined.propose([1], budget=16)
+        asked.append(model.proposals > before)
+        time.sleep(0.03)  # the target's forward
+        combined.observe(accepting(tree, [7, 8, 0] if step % 2 == 0 else [1, 2, 3, 4, 5, 6, 0]))
+    # Only where the trie found nothing; there it pays (3 tokens per 0.05 s against 1 per 0.03 s),
+    # so it is never skipped as unpaid.
+    assert asked == [step % 2 == 0 for step in range(10)]
+
+
+def accepting(tree: DraftTree, says: list[int]) -> Verification:
+    """The verification by a target whose choices along the way are `says`."""
+    children, node, path = tree.children(), -1, []
+    while (child := children.get(node, {}).get(says[len(path)])) is not None:
+        path.append(child)
+        node = child
+    bonus = says[len(path)]
+    return Verification(tree, path, [tree.tokens[i] for i in path] + [bonus], [bonus] * (len(tree) + 1))
+
+
 def test_a_cheap_drafter_is_kept_while_it_has_not_helped_yet():
     cheap = FixedDrafter("cheap", DraftTree([8], [-1], ["cheap"], [0.9]))
     combined = CombinedDrafter([cheap])

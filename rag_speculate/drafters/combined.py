@@ -11,6 +11,10 @@ combined drafter keeps, per drafter and across generations, how its estimates co
 was accepted (and rescales them), and how many tokens per second the steps yield with it against
 without it (the tokens the other drafters' trees would have covered, over the time without its
 drafting). A drafter that does not pay is skipped, and tried again after 32, 64, 128, ... steps.
+
+Within a step the drafters run cheapest first, and a dear one runs only when what the cheaper
+ones found is expected to yield fewer tokens per second than its own usual yield would at its
+cost: where the documents' trie has a long confident match, the draft model is not asked.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class _Ledger:
         self.accepted = 0.0
         self.propose_s = 0.0
         self.with_tokens = self.without_tokens = 0.0
+        self.own_tokens = 0.0  # accepted tokens from its own nodes, per step it drafted
         self.samples = 0
         self.skipped_for = 0
         self.retry_after = _FIRST_RETRY
@@ -96,41 +101,64 @@ class CombinedDrafter(Drafter):
         for drafter in self.drafters:
             drafter.start(context)
 
-    def active(self) -> list[Drafter]:
-        """The drafters that pay for their drafting time now (or are due for a retry)."""
+    def _active(self) -> list[tuple[Drafter, bool]]:
+        """The drafters that pay for their drafting time now, or are due for a retry (True)."""
         total_s = sum(self._ledgers[d.name].propose_s for d in self.drafters)
         chosen = []
         for drafter in self.drafters:
             ledger = self._ledgers[drafter.name]
             if not self.skip_unpaid or ledger.pays(self._target_s, total_s - ledger.propose_s):
                 ledger.skipped_for, ledger.retry_after = 0, _FIRST_RETRY
-                chosen.append(drafter)
+                chosen.append((drafter, False))
             elif ledger.skipped_for >= ledger.retry_after:
                 ledger.skipped_for, ledger.retry_after = 0, min(2 * ledger.retry_after, _LAST_RETRY)
-                chosen.append(drafter)
+                chosen.append((drafter, True))
             else:
                 ledger.skipped_for += 1
         return chosen
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         self._proposals = {}
-        for drafter in self.active():
+        for drafter, retry in sorted(self._active(), key=lambda pick: self._ledgers[pick[0].name].propose_s):
+            ledger = self._ledgers[drafter.name]
+            # A retry always drafts: it is how a drafter whose usual yield is stale gets measured again.
+            if not retry and not self._worth_asking(ledger, budget):
+                continue
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
-            ledger = self._ledgers[drafter.name]
             ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples == 0)
             self._proposals[drafter.name] = (tree, _paths(tree))
         merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
 
+    def _worth_asking(self, ledger: _Ledger, budget: int) -> bool:
+        """Whether this step is expected to yield at least as many tokens per second with the drafter
+        as with what the drafters asked so far found.
+
+        Its tokens count only where theirs fail at the first token: retrieval drafts are all or
+        nothing (a quoted sentence, or a wrong match), so their expected yield alone would hide
+        how often the dear drafter is the one that delivers.
+        """
+        if not self.skip_unpaid or not self._proposals or ledger.samples < 1 or self._target_s <= 0:
+            return True
+        estimates = {name: self._estimates(name)[:budget] for name in self._proposals}
+        found = max(sum(e) for e in estimates.values())
+        first = max((e[i] for name, e in estimates.items() for i in _first_level(self._proposals[name][0], len(e))), default=0.0)
+        with_it = (1 + found + (1 - first) * ledger.own_tokens) / (self._target_s + ledger.propose_s)
+        return with_it >= (1 - _TOLERANCE) * (1 + found) / self._target_s
+
+    def _estimates(self, name: str) -> list[float]:
+        """A proposal's node scores, rescaled by its drafter's calibration."""
+        tree, _ = self._proposals[name]
+        calibration = self._ledgers[name].calibration
+        return [min(1.0, (tree.scores[i] if tree.scores else 0.5) * calibration) for i in range(len(tree))]
+
     def _merge(self, budget: int) -> DraftTree:
         """The `budget` best nodes of all proposals, equal paths merged, best first."""
         best: dict[Path, tuple[float, str]] = {}
         for name, (tree, paths) in self._proposals.items():
-            calibration = self._ledgers[name].calibration
-            for i, path in enumerate(paths):
-                score = min(1.0, (tree.scores[i] if tree.scores else 0.5) * calibration)
+            for i, (path, score) in enumerate(zip(paths, self._estimates(name))):
                 if path not in best or score > best[path][0]:
                     best[path] = (score, tree.source(i) or name)
         children: dict[Path, list[Path]] = {}
@@ -161,12 +189,13 @@ class CombinedDrafter(Drafter):
             ledger = self._ledgers[name]
             projected, kept = _project(verification, tree, paths, verified, accepted)
             if tree.scores:
-                calibration = ledger.calibration
-                ledger.expected = _MEMORY * ledger.expected + sum(min(1.0, tree.scores[i] * calibration) for i in kept)
+                estimates = self._estimates(name)
+                ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
                 ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
             without = max((c for other, c in coverage.items() if other != name), default=0)
             first = ledger.samples == 0
             ledger.with_tokens = _average(ledger.with_tokens, len(accepted), first)
+            ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), first)
             ledger.without_tokens = _average(ledger.without_tokens, without, first)
             ledger.samples += 1
             self._drafter(name).observe(projected)
@@ -194,6 +223,10 @@ def _project(verification: Verification, tree: DraftTree, paths: list[Path], ver
     # After this drafter's last accepted node the target emitted the next token of the full path.
     emitted = [sub.tokens[i] for i in on_path] + [verification.accepted_tokens[len(on_path)]]
     return Verification(sub, on_path, emitted, target_tokens), kept
+
+
+def _first_level(tree: DraftTree, n: int) -> list[int]:
+    return [i for i in range(n) if tree.parents[i] == ROOT]
 
 
 def _paths(tree: DraftTree) -> list[Path]:
