@@ -17,6 +17,7 @@ real token ids of a JSONL file's texts under `--tokenizer`. Prints a markdown ta
 
     python benchmarks/datastore_bench.py --sizes 1000000 10000000
     python benchmarks/datastore_bench.py --sizes 1000000 --texts corpus.jsonl --tokenizer path/to/model
+    python benchmarks/datastore_bench.py --sizes 1000000 10000000 --nq --tokenizer smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the random corpora")
     parser.add_argument("--texts", type=Path, help="JSONL (or .jsonl.gz) of real texts to tokenize and index too")
     parser.add_argument("--text-field", default="text", help="field of each JSONL record holding its text")
-    parser.add_argument("--tokenizer", help="local tokenizer folder for --texts")
+    parser.add_argument("--nq", action="store_true", help="index the shipped NQ passages (rag_speculate.nq) too")
+    parser.add_argument("--tokenizer", help="local tokenizer folder or packaged model name, for --texts and --nq")
     parser.add_argument("--queries", type=int, default=1000, help="timed proposals per context kind")
     parser.add_argument("--budget", type=int, default=16, help="draft budget of each proposal")
     parser.add_argument("--max-matches", type=int, default=64)
@@ -195,17 +197,41 @@ def main() -> None:
     for size in args.sizes:
         tokens, lengths = zipf.sample(size, rng), document_lengths(size, rng)
         rows.append(run_corpus(f"Zipf {args.zipf}", tokens, lengths, args.vocab, fresh, args))
-    if args.texts:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
-        ids = tokenizer(read_texts(args.texts, args.text_field), add_special_tokens=False)["input_ids"]
+    corpora = real_corpora(args)
+    tokenizer = load_tokenizer(args.tokenizer) if corpora else None
+    for name, texts in corpora:
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         tokens = np.fromiter((t for doc in ids for t in doc), dtype=np.int32)
         lengths = np.array([len(doc) for doc in ids])
         # Unigram draws from the corpus: real token frequencies in sequences it does not hold.
         fresh = [tokens[rng.integers(0, len(tokens), CONTEXT_TOKENS)].tolist() for _ in range(args.queries)]
-        rows.append(run_corpus(args.texts.name, tokens, lengths[lengths > 0], len(tokenizer), fresh, args))
+        rows.append(run_corpus(name, tokens, lengths[lengths > 0], len(tokenizer), fresh, args))
     print_table(rows)
+
+
+def real_corpora(args) -> list[tuple[str, list[str]]]:
+    corpora = []
+    if args.texts:
+        corpora.append((args.texts.name, read_texts(args.texts, args.text_field)))
+    if args.nq:
+        from rag_speculate.nq import nq_documents
+
+        corpora.append(("NQ passages (shipped)", [d.text for d in nq_documents()]))
+    if corpora and not args.tokenizer:
+        raise SystemExit("--texts and --nq need --tokenizer")
+    return corpora
+
+
+def load_tokenizer(name: str):
+    from rag_speculate.models import is_packaged_model, load_packaged_model
+
+    if is_packaged_model(name):
+        import torch
+
+        return load_packaged_model(name, dtype=torch.float32)[1]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
 
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct \\
         --dtype bfloat16 --context 1000 --sizes 1 2 4 8 16 32
+    python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --context 500
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -35,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
     return parser.parse_args()
 
 
@@ -68,6 +71,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = load(args.model, DTYPES[args.dtype], args.device)
+    if args.int8:
+        model = int8_draft_model(model)
     device = model.device
     # Token identity does not affect the cost; avoid the special tokens at the top of the vocab.
     vocab = model.config.vocab_size - 1000
@@ -96,7 +101,7 @@ def main() -> None:
     # Other processes on a small machine distort timings; the load average shows it.
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n{args.model}, {args.dtype}, {args.device}, {args.threads} threads, "
+        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}, {args.device}, {args.threads} threads, "
         f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
     )
     # The minimum is the least disturbed run; a large gap to the median means noise.

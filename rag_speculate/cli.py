@@ -16,9 +16,10 @@ import torch
 
 from .baseline import timed_generate
 from .corpus import ChunkingOptions, CorpusIndex, drafting_documents, rag_messages, read_corpus
-from .drafters import NGramTrieDrafter, RESTDrafter
+from .drafters import NGramTrieDrafter, OuroborosDrafter, RESTDrafter
 from .engine import SpeculativeEngine
 from .errors import RagSpeculateError
+from .loading import int8_draft_model, load_model
 from .models import cache_dir
 from .result import GenerationResult
 
@@ -80,6 +81,8 @@ def _add_index_options(parser: argparse.ArgumentParser) -> None:
 def _add_answer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", "--top-k", type=int, default=5, help="chunks retrieved into the prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--draft-model", default=None,
+                        help="a small model sharing the target's tokenizer, to draft with too (Ouroboros; int8 on a CPU)")
 
 
 def _progress(message: str) -> None:
@@ -103,7 +106,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index)
-    engine = _rag_engine(SpeculativeEngine.from_pretrained(args.model, progress=_progress), index)
+    engine = _rag_engine(SpeculativeEngine.from_pretrained(args.model, progress=_progress), index, args.draft_model)
     result, chunks = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
     _print_sources(chunks)
@@ -126,7 +129,7 @@ def run_demo(args: argparse.Namespace) -> int:
     index = CorpusIndex.build(
         nq_documents(), folder, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
     )
-    engine = _rag_engine(engine, index)
+    engine = _rag_engine(engine, index, args.draft_model)
     _progress("warming up")
     engine.generate([1, 2, 3], max_new_tokens=4)
 
@@ -154,12 +157,17 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rag_engine(engine: SpeculativeEngine, index: CorpusIndex) -> SpeculativeEngine:
-    """`engine`'s model drafting from both the retrieved chunks (trie) and the whole corpus (REST), in one tree."""
+def _rag_engine(engine: SpeculativeEngine, index: CorpusIndex, draft_model: str | None) -> SpeculativeEngine:
+    """`engine`'s model drafting from the retrieved chunks (trie), the whole corpus (REST) and, if
+    given, a draft model, in one tree."""
     index.check_tokenizer(engine.tokenizer)
-    return SpeculativeEngine(
-        engine.model, engine.tokenizer, [NGramTrieDrafter(), RESTDrafter(index.datastore)], name=engine.name
-    )
+    drafters = [NGramTrieDrafter(), RESTDrafter(index.datastore)]
+    if draft_model:
+        model, tokenizer = load_model(draft_model, dtype=engine.model.dtype, device=str(engine.model.device), progress=_progress)
+        if model.device.type == "cpu":
+            model = int8_draft_model(model)
+        drafters.append(OuroborosDrafter(model, tokenizer))
+    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name)
 
 
 def _answer(engine: SpeculativeEngine, index: CorpusIndex, question: str, k: int, max_new_tokens: int):

@@ -101,6 +101,13 @@ def test_a_slow_drafter_that_adds_nothing_is_skipped_and_retried():
         combined.observe(Verification(tree, [tree.tokens.index(5)], [5, 3], [5] + [3] * len(tree)))
     assert good.proposals == 40
     assert slow.proposals == 2  # measured once, skipped, retried after 32 steps
+    # A new generation judges it afresh at its first step; then it is skipped again.
+    combined.start(DraftContext([1], [], VOCAB))
+    for _ in range(3):
+        tree = combined.propose([1], budget=4)
+        time.sleep(0.002)
+        combined.observe(Verification(tree, [tree.tokens.index(5)], [5, 3], [5] + [3] * len(tree)))
+    assert slow.proposals == 3
 
 
 def test_a_dear_drafter_is_asked_only_when_the_cheaper_ones_found_little():

@@ -10,7 +10,8 @@ drafter that runs a model can cost a third of a target forward per proposal on a
 combined drafter keeps, per drafter and across generations, how its estimates compare with what
 was accepted (and rescales them), and how many tokens per second the steps yield with it against
 without it (the tokens the other drafters' trees would have covered, over the time without its
-drafting). A drafter that does not pay is skipped, and tried again after 32, 64, 128, ... steps.
+drafting). A drafter that does not pay is skipped, and tried again after 32, 64, 128, ... steps;
+each generation judges it afresh from its first step.
 
 Within a step the drafters run cheapest first, and a dear one runs only when what the cheaper
 ones found is expected to yield fewer tokens per second than its own usual yield would at its
@@ -100,30 +101,24 @@ class CombinedDrafter(Drafter):
     def start(self, context: DraftContext) -> None:
         for drafter in self.drafters:
             drafter.start(context)
-
-    def _active(self) -> list[tuple[Drafter, bool]]:
-        """The drafters that pay for their drafting time now, or are due for a retry (True)."""
-        total_s = sum(self._ledgers[d.name].propose_s for d in self.drafters)
-        chosen = []
-        for drafter in self.drafters:
+            # Whether a drafter pays depends on the text (a draft model predicts arithmetic, not a
+            # translation), so it is judged afresh in each generation; its calibration and its
+            # cost carry over.
             ledger = self._ledgers[drafter.name]
-            if not self.skip_unpaid or ledger.pays(self._target_s, total_s - ledger.propose_s):
-                ledger.skipped_for, ledger.retry_after = 0, _FIRST_RETRY
-                chosen.append((drafter, False))
-            elif ledger.skipped_for >= ledger.retry_after:
-                ledger.skipped_for, ledger.retry_after = 0, min(2 * ledger.retry_after, _LAST_RETRY)
-                chosen.append((drafter, True))
-            else:
-                ledger.skipped_for += 1
-        return chosen
+            ledger.samples, ledger.skipped_for, ledger.retry_after = 0, 0, _FIRST_RETRY
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         self._proposals = {}
-        for drafter, retry in sorted(self._active(), key=lambda pick: self._ledgers[pick[0].name].propose_s):
+        total_s = sum(self._ledgers[d.name].propose_s for d in self.drafters)
+        for drafter in sorted(self.drafters, key=lambda d: self._ledgers[d.name].propose_s):
             ledger = self._ledgers[drafter.name]
-            # A retry always drafts: it is how a drafter whose usual yield is stale gets measured again.
-            if not retry and not self._worth_asking(ledger, budget):
+            # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
+            retry = ledger.skipped_for >= ledger.retry_after
+            if not retry and not self._should_ask(ledger, budget, total_s):
+                ledger.skipped_for += 1
                 continue
+            ledger.skipped_for = 0
+            ledger.retry_after = min(2 * ledger.retry_after, _LAST_RETRY) if retry else _FIRST_RETRY
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
             ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples == 0)
@@ -131,6 +126,11 @@ class CombinedDrafter(Drafter):
         merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
+
+    def _should_ask(self, ledger: _Ledger, budget: int, total_s: float) -> bool:
+        if not self.skip_unpaid or ledger.samples < 1:
+            return True
+        return ledger.pays(self._target_s, total_s - ledger.propose_s) and self._worth_asking(ledger, budget)
 
     def _worth_asking(self, ledger: _Ledger, budget: int) -> bool:
         """Whether this step is expected to yield at least as many tokens per second with the drafter
@@ -140,7 +140,7 @@ class CombinedDrafter(Drafter):
         nothing (a quoted sentence, or a wrong match), so their expected yield alone would hide
         how often the dear drafter is the one that delivers.
         """
-        if not self.skip_unpaid or not self._proposals or ledger.samples < 1 or self._target_s <= 0:
+        if not self._proposals or self._target_s <= 0:
             return True
         estimates = {name: self._estimates(name)[:budget] for name in self._proposals}
         found = max(sum(e) for e in estimates.values())

@@ -31,31 +31,26 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
 - A draft forward checks only the pool nodes that pay for their cost: up to `draft_tree_budget`
   best-first, cut by `budget.best_prefix` with the draft model's timed cost curve and the rate at
   which it has agreed with pool phrases (the paper checks all W candidates).
-- The sentence draft also stops when its next token's acceptance estimate falls below
-  `min_score` (such a token costs more draft time than the target time it is expected to save),
-  and at the depth the engine verified last time (it verifies only the prefix of a draft that
-  pays for its target forward; drafting deeper wastes draft forwards). When the target accepts
-  none of a draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
+- The sentence draft also stops when its next token's acceptance estimate falls below the score
+  floor: the draft forward's measured cost over the target's (`DraftContext.target_cost`), since
+  a token accepted with probability s saves s target steps; `min_score` pins it. It also stops at
+  the depth the engine verified last time (it verifies only the prefix of a draft that pays for
+  its target forward; drafting deeper wastes draft forwards). When the target accepts none of a
+  draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
 - The draft model drafts greedily, also when the target samples (verification stays exact).
 
-Measured for the defaults (fp32, 2 threads, this project's 2-core AVX2 machine, 500 tokens of
-context; `benchmarks/forward_cost.py --context 500`, docs/benchmarks.md section 1): one forward
-over q tokens of qwen2.5-coder-0.5b-instruct (draft) costs 120 ms at q=1, 2.1x at 2, 2.4x at 8,
-2.7x at 16 and 4.1x at 32; of qwen2.5-coder-1.5b-instruct (target) 340 ms at q=1, 2.8x at 8,
-3.3x at 16.
+Measured for the defaults (2 threads, this project's 2-core AVX2 machine, 500 tokens of context;
+`benchmarks/forward_cost.py --context 500`, docs/benchmarks.md section 1): one forward of the
+1.5b target in fp32 costs 340 ms at q=1, 2.8x at 8, 3.3x at 16. The 0.5b draft costs 120 ms in
+fp32 (2.1x at 2, 2.4x at 8, 2.7x at 16), a third of a target step, which leaves a draft model
+roughly breaking even on this CPU; with its linear layers in int8 (`loading.int8_draft_model`)
+it costs an eighth, and pays where it predicts the target (docs/benchmarks.md section 4).
 
-Hence `draft_tree_budget=16` (a 16-node tree costs 2.7 single-token forwards, and the curve
-steepens beyond) and `min_score=0.4` (a draft forward costs 0.35 of a target forward, plus its
-bookkeeping). The target's cost is nearly flat from q=8 to 16, so the paper's gamma=12 is kept,
-and W=20, beta=8, K=3.
-
-End to end (0.5b drafting for 1.5b, Spec-Bench, docs/benchmarks.md section 4): 3-4.6 tokens per
-target forward where the draft model predicts the target (summarization, math), but drafting takes
-55-64% of decode time there, so 0.86-1.23x plain decoding; where it does not (translation, qa),
-the pause after unaccepted drafts holds the loss to 0.78-0.86x. On this CPU a 0.5b draft model
-roughly breaks even for a 1.5b target; `CombinedDrafter` therefore measures whether it pays.
-No pool tree paid in the draft forward (2 tokens cost twice 1): a 16-node tree pays once its
-phrases are expected to add 1.7 tokens, which takes text that repeats.
+Hence `draft_tree_budget=16` (a 16-node tree costs 2.7 single-token forwards in fp32, and the
+curve steepens beyond) and the cost-derived score floor (0.35-0.4 in fp32, about 0.12 in int8).
+The target's cost is nearly flat from q=8 to 16, so the paper's gamma=12 is kept, and W=20,
+beta=8, K=3. Pool trees rarely pay inside an fp32 draft forward (2 tokens cost twice 1); in int8
+the draft curve is nearly flat to q=8 (38 ms at 1, 55 ms at 8), so checking them is cheap.
 """
 
 from __future__ import annotations

@@ -46,6 +46,16 @@ def test_ask_answers_with_sources_and_stats(index, capsys):
     assert "tokens/forward" in out
 
 
+def test_ask_with_a_draft_model_gives_the_same_answer(index, capsys):
+    question = ["ask", str(index), "Who owns Reading Football Club?", "-k", "1", "--max-new-tokens", "24", *COMMON]
+    answers = []
+    for extra in ([], ["--draft-model", MODEL]):
+        assert main([*question, *extra]) == 0
+        out = capsys.readouterr().out
+        answers.append(out.split("Answer:\n")[1].split("\n\nSources:")[0])
+    assert answers[0] == answers[1] and answers[0].strip()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
