@@ -63,9 +63,9 @@ def int8_draft_model(model: PreTrainedModel) -> PreTrainedModel:
 
     For draft models only: the target verifies every drafted token, so the output never changes;
     a draft model that agrees less with the target just gets fewer tokens accepted. Measured on this
-    project's 2-core AVX2 machine (docs/benchmarks.md section 1), a forward of
-    qwen2.5-coder-0.5b-instruct over 1 token takes 38 ms in int8 against 117 ms in fp32, over
-    8 tokens 55 ms against 320 ms: a draft token then costs an eighth of a 1.5B target step, not
+    project's 2-core AVX2 machine at 500 tokens of context (docs/benchmarks.md section 1), a forward
+    of qwen2.5-coder-0.5b-instruct over 1 token takes 44 ms in int8 against 120 ms in fp32, over
+    8 tokens 62 ms against 288 ms: a draft token then costs an eighth of a 1.5B target step, not
     a third.
     """
     if model.device.type != "cpu":
