@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -40,6 +41,12 @@ _LAST_RETRY = 256
 _TOLERANCE = 0.02  # slower by at most this share still counts as paying (drafting time under ~2%)
 
 Path = tuple[int, ...]
+
+
+class _Proposal(NamedTuple):
+    tree: DraftTree
+    paths: list[Path]
+    estimates: list[float]  # its scores rescaled by its drafter's calibration when it proposed
 
 
 class _Ledger:
@@ -91,7 +98,7 @@ class CombinedDrafter(Drafter):
         self.skip_unpaid = skip_unpaid
         self._ledgers = {d.name: _Ledger() for d in drafters}
         self._target_s = 0.0
-        self._proposals: dict[str, tuple[DraftTree, list[Path]]] = {}
+        self._proposals: dict[str, _Proposal] = {}
         self._proposed_at = 0.0
 
     def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
@@ -114,7 +121,7 @@ class CombinedDrafter(Drafter):
             ledger = self._ledgers[drafter.name]
             # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
             retry = ledger.skipped_for >= ledger.retry_after
-            if not retry and not self._should_ask(ledger, budget, total_s):
+            if not retry and not self._should_ask(ledger, total_s):
                 ledger.skipped_for += 1
                 continue
             ledger.skipped_for = 0
@@ -122,17 +129,17 @@ class CombinedDrafter(Drafter):
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
             ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples == 0)
-            self._proposals[drafter.name] = (tree, _paths(tree))
+            self._proposals[drafter.name] = _Proposal(tree, _paths(tree), _estimates(tree, ledger.calibration))
         merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
 
-    def _should_ask(self, ledger: _Ledger, budget: int, total_s: float) -> bool:
+    def _should_ask(self, ledger: _Ledger, total_s: float) -> bool:
         if not self.skip_unpaid or ledger.samples < 1:
             return True
-        return ledger.pays(self._target_s, total_s - ledger.propose_s) and self._worth_asking(ledger, budget)
+        return ledger.pays(self._target_s, total_s - ledger.propose_s) and self._worth_asking(ledger)
 
-    def _worth_asking(self, ledger: _Ledger, budget: int) -> bool:
+    def _worth_asking(self, ledger: _Ledger) -> bool:
         """Whether this step is expected to yield at least as many tokens per second with the drafter
         as with what the drafters asked so far found.
 
@@ -142,23 +149,19 @@ class CombinedDrafter(Drafter):
         """
         if not self._proposals or self._target_s <= 0:
             return True
-        estimates = {name: self._estimates(name)[:budget] for name in self._proposals}
-        found = max(sum(e) for e in estimates.values())
-        first = max((e[i] for name, e in estimates.items() for i in _first_level(self._proposals[name][0], len(e))), default=0.0)
+        found = max(sum(p.estimates) for p in self._proposals.values())
+        first = max(
+            (score for p in self._proposals.values() for score, parent in zip(p.estimates, p.tree.parents) if parent == ROOT),
+            default=0.0,
+        )
         with_it = (1 + found + (1 - first) * ledger.own_tokens) / (self._target_s + ledger.propose_s)
         return with_it >= (1 - _TOLERANCE) * (1 + found) / self._target_s
-
-    def _estimates(self, name: str) -> list[float]:
-        """A proposal's node scores, rescaled by its drafter's calibration."""
-        tree, _ = self._proposals[name]
-        calibration = self._ledgers[name].calibration
-        return [min(1.0, (tree.scores[i] if tree.scores else 0.5) * calibration) for i in range(len(tree))]
 
     def _merge(self, budget: int) -> DraftTree:
         """The `budget` best nodes of all proposals, equal paths merged, best first."""
         best: dict[Path, tuple[float, str]] = {}
-        for name, (tree, paths) in self._proposals.items():
-            for i, (path, score) in enumerate(zip(paths, self._estimates(name))):
+        for name, (tree, paths, estimates) in self._proposals.items():
+            for i, (path, score) in enumerate(zip(paths, estimates)):
                 if path not in best or score > best[path][0]:
                     best[path] = (score, tree.source(i) or name)
         children: dict[Path, list[Path]] = {}
@@ -184,12 +187,11 @@ class CombinedDrafter(Drafter):
         self._target_s = _average(self._target_s, time.perf_counter() - self._proposed_at, self._target_s == 0)
         verified = {path: i for i, path in enumerate(_paths(verification.tree))}
         accepted = tuple(verification.accepted_tokens[:-1])
-        coverage = {name: _covered(accepted, set(paths)) for name, (_, paths) in self._proposals.items()}
-        for name, (tree, paths) in self._proposals.items():
+        coverage = {name: _covered(accepted, set(p.paths)) for name, p in self._proposals.items()}
+        for name, (tree, paths, estimates) in self._proposals.items():
             ledger = self._ledgers[name]
             projected, kept = _project(verification, tree, paths, verified, accepted)
             if tree.scores:
-                estimates = self._estimates(name)
                 ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
                 ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
             without = max((c for other, c in coverage.items() if other != name), default=0)
@@ -225,8 +227,9 @@ def _project(verification: Verification, tree: DraftTree, paths: list[Path], ver
     return Verification(sub, on_path, emitted, target_tokens), kept
 
 
-def _first_level(tree: DraftTree, n: int) -> list[int]:
-    return [i for i in range(n) if tree.parents[i] == ROOT]
+def _estimates(tree: DraftTree, calibration: float) -> list[float]:
+    """A proposal's node scores, rescaled by its drafter's calibration."""
+    return [min(1.0, (tree.scores[i] if tree.scores else 0.5) * calibration) for i in range(len(tree))]
 
 
 def _paths(tree: DraftTree) -> list[Path]:

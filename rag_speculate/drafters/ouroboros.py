@@ -18,9 +18,10 @@ After the target's verification (`observe`):
 
 Node scores estimate the target's acceptance: on the draft chain, the running product of the draft
 model's own probability for each token, scaled by a factor counted from verifications (how the
-target's agreement relates to the draft's confidence; as transformers' assisted generation stops at
-a confidence threshold, the chain stops where this estimate no longer pays); suffix nodes multiply the chain end's score by their share of the candidates
-and a separate, lower suffix rate per token. The pool persists across generations (the paper's
+target's agreement relates to the draft's confidence; as transformers' assisted generation stops
+at a confidence threshold, the chain stops where this estimate no longer pays); suffix nodes
+multiply the chain end's score by their share of the candidates and a separate, lower suffix rate
+per token. The pool persists across generations (the paper's
 warm start) and can be saved with `PhrasePool.save`.
 
 Simplified from the paper, for a 2-core CPU where every token fed to a forward costs:
@@ -119,7 +120,7 @@ class OuroborosDrafter(Drafter):
         self.draft_tree_budget = draft_tree_budget
         # None: the measured cost of a draft forward over the target's (see `_score_floor`).
         self.min_score = min_score
-        self._floor = _FALLBACK_MIN_SCORE if min_score is None else min_score
+        self._floor = self._score_floor(None)
         self.learn_from_context = learn_from_context
         self.pool = pool if pool is not None else PhrasePool(W, beta)
         # Draft forward cost by tokens fed, timed at the first `start`; assign one to pin it (tests).
@@ -419,8 +420,9 @@ class _DepthLimit:
 
     After a chain verified whole, one token deeper is allowed (a probe); after a cut, the depth the
     engine kept. When the target accepted none of it (or the engine verified none), drafting pauses
-    for 1, 2, 4, ... proposals, then probes in full: each draft forward costs about 0.4 of a target
-    forward here, so text the draft model cannot predict must not keep paying for it.
+    for 1, 2, 4, ... proposals, then probes in full: a draft forward costs a third of a target
+    forward here in fp32 (an eighth in int8), so text the draft model cannot predict must not keep
+    paying for it.
     """
 
     def __init__(self, most: int):
