@@ -7,11 +7,13 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct \\
         --dtype bfloat16 --context 1000 --sizes 1 2 4 8 16 32
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --context 500
+    python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --onednn --context 500
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -20,6 +22,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from rag_speculate.cpu_linear import OneDNNLinear
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
 
@@ -38,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
+    parser.add_argument("--onednn", action="store_true", help="linear layers over 2-64 tokens through oneDNN, as the engine's verification (cpu_linear.py)")
     return parser.parse_args()
 
 
@@ -54,11 +58,12 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor) -> float:
+def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, onednn: bool = False) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
     synchronize(tokens.device)
     start = time.perf_counter()
-    model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
+    with OneDNNLinear() if onednn and tokens.shape[1] > 1 else contextlib.nullcontext():
+        model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
     synchronize(tokens.device)
     elapsed = time.perf_counter() - start
     # transformers 5 only accepts a negative count: the number of tokens to drop.
@@ -86,13 +91,13 @@ def main() -> None:
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     for tokens in inputs.values():
-        time_forward(model, cache, tokens)  # warm-up: allocator, kernel selection
+        time_forward(model, cache, tokens, args.onednn)  # warm-up: allocator, kernel selection
     # Rounds over all sizes rather than all repeats of one size, so a burst of
     # load from another process hits every size alike instead of skewing one.
     runs: dict[int, list[float]] = {q: [] for q in args.sizes}
     for round_index in range(args.repeats):
         for q, tokens in inputs.items():
-            runs[q].append(time_forward(model, cache, tokens))
+            runs[q].append(time_forward(model, cache, tokens, args.onednn))
         print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
     assert cache.get_seq_length() == args.context
     rows = [(q, statistics.median(times) * 1000, min(times) * 1000) for q, times in runs.items()]
@@ -101,7 +106,7 @@ def main() -> None:
     # Other processes on a small machine distort timings; the load average shows it.
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}, {args.device}, {args.threads} threads, "
+        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (oneDNN linear)' if args.onednn else ''}, {args.device}, {args.threads} threads, "
         f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
     )
     # The minimum is the least disturbed run; a large gap to the median means noise.

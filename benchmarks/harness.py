@@ -9,6 +9,7 @@ work for every method and speculation cannot touch it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -29,9 +30,11 @@ from rag_speculate import (
 )
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel, best_prefix
+from rag_speculate.cpu_linear import OneDNNLinear
 from rag_speculate.tree import ROOT
 
 Method = Callable[[list[int], list | None, int], dict]
+BASELINES = ("hf-greedy", "hf-pld", "hf-assisted", "hf-assisted:onednn")  # what the summary divides by
 
 
 @dataclass
@@ -43,21 +46,25 @@ class Item:
     answers: list[str] = field(default_factory=list)
 
 
-def hf_method(engine: SpeculativeEngine, **kwargs) -> Method:
-    """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model)."""
+def hf_method(engine: SpeculativeEngine, onednn: bool = False, **kwargs) -> Method:
+    """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model);
+    `onednn` runs its multi-token forwards' linear layers through oneDNN, as our engine does."""
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
-        out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
+        with OneDNNLinear() if onednn else contextlib.nullcontext():
+            out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
         return {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "forwards": None}
 
     return run
 
 
 def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], budget: int | None = None,
-                  before: Callable[[], None] | None = None) -> Method:
-    """Our engine with `drafter` on the same model (and the same measured cost curve)."""
-    ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name)
-    ours.cost_model = engine.cost_model
+                  before: Callable[[], None] | None = None, onednn: bool = True) -> Method:
+    """Our engine with `drafter` on the same model (and, with the same kernels, the same measured cost curve)."""
+    ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name,
+                             onednn_linear=onednn and engine.onednn_linear)
+    if ours.onednn_linear == engine.onednn_linear:
+        ours.cost_model = engine.cost_model
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         if before:
@@ -75,35 +82,46 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
 def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore: Datastore | None = None,
                   draft: tuple | None = None) -> dict[str, Method]:
     """Methods by name: hf-greedy, hf-pld, hf-assisted, trie, rest, trie+rest, ouroboros, ouroboros-warm,
-    combined (every configured source), and NAME@B for one of ours with a draft budget of B."""
+    combined (every configured source); NAME@B for one of ours with a draft budget of B; NAME:stock
+    for one of ours with torch's own linear kernel, NAME:onednn for one of transformers' with
+    oneDNN's for multi-token forwards (cpu_linear.py; by default ours use it and transformers' not)."""
     # One measured cost curve for all of ours, so they differ only in their drafters; a short
     # generation times it (and pays the first call's one-off costs).
     engine.generate([1, 2, 3, 4], max_new_tokens=4)
     methods = {}
     for name in names:
-        base, _, budget = name.partition("@")
-        methods[name] = _method(base, int(budget) if budget else None, engine, datastore, draft)
+        rest, _, kernel = name.partition(":")
+        base, _, budget = rest.partition("@")
+        if kernel and kernel != ("onednn" if base.startswith("hf-") else "stock"):
+            raise SystemExit(f"method {name!r}: ':stock' applies to ours, ':onednn' to transformers' methods")
+        methods[name] = _method(base, int(budget) if budget else None, engine, datastore, draft, kernel)
     return methods
 
 
-def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore: Datastore | None, draft: tuple | None) -> Method:
+def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore: Datastore | None, draft: tuple | None,
+            kernel: str) -> Method:
     def need(what, value):
         if value is None:
             raise SystemExit(f"method {name} needs {what}")
         return value
 
-    if name == "hf-greedy":
-        return hf_method(engine)
-    if name == "hf-pld":
-        return hf_method(engine, prompt_lookup_num_tokens=10)
-    if name == "hf-assisted":
-        return hf_method(engine, assistant_model=need("--draft-model", draft)[0])
+    def ours(drafter, before=None) -> Method:
+        return engine_method(engine, drafter, budget, before, onednn=kernel != "stock")
+
+    if name.startswith("hf-"):
+        onednn = kernel == "onednn"
+        if name == "hf-greedy":
+            return hf_method(engine, onednn)
+        if name == "hf-pld":
+            return hf_method(engine, onednn, prompt_lookup_num_tokens=10)
+        if name == "hf-assisted":
+            return hf_method(engine, onednn, assistant_model=need("--draft-model", draft)[0])
     if name == "trie":
-        return engine_method(engine, NGramTrieDrafter(), budget)
+        return ours(NGramTrieDrafter())
     if name == "rest":
-        return engine_method(engine, RESTDrafter(need("--datastore", datastore)), budget)
+        return ours(RESTDrafter(need("--datastore", datastore)))
     if name == "trie+rest":
-        return engine_method(engine, [NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))], budget)
+        return ours([NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))])
     if name in ("ouroboros", "ouroboros-warm", "combined"):
         from rag_speculate import OuroborosDrafter, PhrasePool
 
@@ -115,9 +133,8 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
             ouroboros.pool = PhrasePool(ouroboros.pool.W, ouroboros.pool.beta)
 
         if name != "combined":
-            return engine_method(engine, ouroboros, budget, before=cold if name == "ouroboros" else None)
-        sources = [NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros]
-        return engine_method(engine, sources, budget)
+            return ours(ouroboros, before=cold if name == "ouroboros" else None)
+        return ours([NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros])
     raise SystemExit(f"unknown method {name!r}")
 
 
@@ -170,7 +187,7 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
                 row[method]["accepted_by_source"] = dict(accepted)
             if "answer_found" in rs[0]:
                 row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
-            for base in ("hf-greedy", "hf-pld", "hf-assisted"):
+            for base in BASELINES:
                 if base in methods and method != base:
                     ratios = [m[base]["decode_s"] / m[method]["decode_s"] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in items]
                     row[method][f"decode_speedup_vs_{base}_mean"] = statistics.mean(ratios)
@@ -180,7 +197,7 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
 
 
 def markdown(summary: dict, methods: list[str]) -> str:
-    bases = [b for b in ("hf-greedy", "hf-pld", "hf-assisted") if b in methods]
+    bases = [b for b in BASELINES if b in methods]
     lines = [
         "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean / median)" for b in bases)
         + " | tokens/forward | drafting / decode | accepted by source | identical to greedy | answer found |",

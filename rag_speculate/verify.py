@@ -13,6 +13,7 @@ the bonus and we stop. Every emitted token is therefore exactly the target's own
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .cpu_linear import OneDNNLinear
 from .sampling import SamplingParams, sample_token
 from .tree import ROOT, DraftTree, tree_attention_mask, tree_position_ids
 
@@ -86,8 +88,9 @@ def sliding_window(cache: DynamicCache) -> int | None:
 class Verifier:
     """Runs prefill and verification forwards of one model, in tree or chain mode."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, *, onednn_linear: bool = False):
         self.model = model
+        self.onednn_linear = onednn_linear
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
         self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -103,20 +106,26 @@ class Verifier:
         """Logits for [root, *tree.tokens] in one forward; row i + 1 follows draft node i."""
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
-            position_ids=tree_position_ids(tree, past, self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with self._kernels(len(tree) + 1):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
+                position_ids=tree_position_ids(tree, past, self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
         return out.logits[0]
 
     @torch.inference_mode()
     def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree) -> torch.Tensor:
         """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+        with self._kernels(len(tree) + 1):
+            return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+
+    def _kernels(self, tokens: int) -> contextlib.AbstractContextManager:
+        # A single token keeps torch's own kernel, and skips the mode's per-op dispatch.
+        return OneDNNLinear() if self.onednn_linear and tokens > 1 else contextlib.nullcontext()
 
     @torch.inference_mode()
     def step(
