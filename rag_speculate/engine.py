@@ -33,8 +33,8 @@ Document = str | Sequence[int]
 
 # The most draft nodes one forward may verify; each step verifies only the best-first prefix of
 # the draft that pays for its measured cost (budget.py). On the 2-core AVX2 CPU this project is
-# measured on, a forward over 17 tokens costs 2.8x one over 1 in fp32 and 10x in bf16
-# (docs/benchmarks.md), so more than 16 rarely pays even for perfect drafts.
+# measured on, a forward over 17 tokens costs 2.4x one over 1 in fp32 (with oneDNN's linear,
+# cpu_linear.py) and 10x in bf16 (docs/benchmarks.md), so more than 16 rarely pays.
 DEFAULT_DRAFT_BUDGET = 16
 _DOCUMENT_CACHE_SIZE = 1024
 
