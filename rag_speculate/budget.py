@@ -26,9 +26,10 @@ from .verify import Verification
 # q = draft nodes + 1 (the last accepted token is always fed); powers of two cover the curve's shape.
 PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)
 _COST_MEMORY = 0.8  # weight of the old estimate when a verification forward is timed
-# Prior agreement rate by the length of the context match a draft came from (capped at 4):
-# optimistic enough to try drafts from 2+ token matches, not from a single common token.
-_MATCH_PRIORS = {1: 0.55, 2: 0.7, 3: 0.8, 4: 0.9}
+# Prior agreement rate by the length of the context match a draft came from (capped at 4), for
+# documents retrieved for this very request: optimistic enough to try drafts from 2+ token
+# matches, not from a single common token. A drafter whose matches are weaker evidence passes its own.
+DOCUMENT_MATCH_PRIORS = {1: 0.55, 2: 0.7, 3: 0.8, 4: 0.9}
 # Per verification: old evidence fades, so drafting that starts failing is dropped within a few steps, and
 # drafting that was dropped is tried again once the evidence against it has faded to the prior.
 _AGREEMENT_MEMORY = 0.95
@@ -113,16 +114,18 @@ def agreement_trials(verification: Verification) -> tuple[int, int]:
 
 class MatchAgreement:
     """Agreement rates of a retrieval drafter, one per context-match length; `rate` before a
-    proposal, `observe` with its verification."""
+    proposal, `observe` with its verification. `priors` maps match lengths 1..n to prior rates;
+    longer matches share the last."""
 
-    def __init__(self) -> None:
+    def __init__(self, priors: dict[int, float] = DOCUMENT_MATCH_PRIORS) -> None:
+        self._priors = priors
         self._rates: dict[int, AgreementRate] = {}
         self._pending: int | None = None
 
     def rate(self, match_length: int) -> float:
-        key = min(match_length, max(_MATCH_PRIORS))
+        key = min(match_length, max(self._priors))
         if key not in self._rates:
-            self._rates[key] = AgreementRate(prior=_MATCH_PRIORS[key])
+            self._rates[key] = AgreementRate(prior=self._priors[key])
         # Evidence fades with every step, drafted or not, so a match length whose drafts stopped
         # paying is tried again later in the generation.
         self._rates[key].observe(0, 0)

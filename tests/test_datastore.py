@@ -99,8 +99,10 @@ def test_drafter_keeps_the_most_frequent_continuations_within_budget():
     drafter = RESTDrafter(datastore, n_max=4, m=3)
     drafter.start(DraftContext([], [], 10))
     tree = drafter.propose([0, 1, 2], budget=3)
-    # After "1 2": "3" twice, then "4" twice, then "5" once; "3 9" follows "7 2", not "1 2".
-    assert (tree.tokens, tree.parents, tree.sources) == ([3, 4, 5], [-1, 0, -1], ["rest"] * 3)
+    # After "1 2": "3" twice, then "4" twice, then "5" once; "3 9" follows "7 2", not "1 2". A corpus
+    # match is weak evidence (REST_MATCH_PRIORS), so each token deeper costs more than a rarer sibling.
+    assert (tree.tokens, tree.parents, tree.sources) == ([3, 5, 4], [-1, -1, 0], ["rest"] * 3)
+    assert tree.scores[0] > tree.scores[1] > tree.scores[2]
     assert len(drafter.propose([0, 1, 2], budget=0)) == 0
     assert len(drafter.propose([8], budget=5)) == 0
 
