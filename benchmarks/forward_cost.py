@@ -114,6 +114,24 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for q, ms, fastest in rows:
         print(f"| {q} | {ms:.1f} | {ms / q:.1f} | {ms / base:.2f} | {fastest:.1f} | {fastest / base_min:.2f} |")
+    if args.onednn:
+        print_rounding(model, cache, torch.randint(0, vocab, (1, 16), device=device))
+
+
+@torch.inference_mode()
+def print_rounding(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor) -> None:
+    """How far one forward over `tokens` lands from feeding them one at a time, with each kernel."""
+    def logits(onednn: bool) -> torch.Tensor:
+        with OneDNNLinear() if onednn else contextlib.nullcontext():
+            out = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        cache.crop(-tokens.shape[1])
+        return out
+
+    single = torch.cat([model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits
+                        for i in range(tokens.shape[1])], dim=1)
+    cache.crop(-tokens.shape[1])
+    print(f"\nmax |logit difference| of one forward over {tokens.shape[1]} tokens against token-by-token decoding: "
+          f"torch's kernel {(logits(False) - single).abs().max().item():.2e}, oneDNN {(logits(True) - single).abs().max().item():.2e}")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,16 @@
 
 Verifying a draft feeds a few tokens at once, and on this project's 2-core AVX2 CPU torch's
 default fp32 matrix product is slow exactly there: for the 1.5B target at 500 tokens of context a
-forward over 9 tokens took 3.1 single-token steps, over 17 tokens 3.4 (docs/benchmarks.md,
-section 1). oneDNN's inner product, which torch ships and inductor uses, took 1.7 and 2.1 on the
-same forwards, with the same weights in place (no copy, no repacking, the model untouched).
+forward over 9 tokens took 3.7 single-token steps, over 17 tokens 3.6 (docs/benchmarks.md,
+section 1.1). oneDNN's inner product, which torch ships, took 1.9 and 2.4 on the same forwards,
+with the same weights in place (no copy, no repacking, the model untouched).
 
 Only products over 2 to 64 rows are rerouted. Single-token steps and prefills keep torch's own
 kernel, so plain decoding stays bit for bit what `model.generate` computes. A multi-token forward
 already differs from token-by-token decoding in the last bits whichever kernel runs it (measured
-on the 1.5B target: at most 5.4e-5 of the logits with torch's, 5.9e-5 with oneDNN's), the same
-rounding every speculative decoder's verification has.
+on the 1.5B target over 16 tokens: at most 3.1e-5 of the logits with torch's, 3.6e-5 with
+oneDNN's; `benchmarks/forward_cost.py --onednn` prints it), the same rounding every speculative
+decoder's verification has.
 """
 
 from __future__ import annotations
