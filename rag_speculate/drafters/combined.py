@@ -10,8 +10,9 @@ drafter that runs a model can cost a third of a target forward per proposal on a
 combined drafter keeps, per drafter and across generations, how its estimates compare with what
 was accepted (and rescales them), and how many tokens per second the steps yield with it against
 without it (the tokens the other drafters' trees would have covered, over the time without its
-drafting). A drafter that does not pay is skipped, and tried again after 32, 64, 128, ... steps;
-each generation judges it afresh from its first step.
+drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
+rejected draft is no verdict: a draft model that helps at 0.4 tokens per step often misses its
+first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps.
 
 Within a step the drafters run cheapest first, and a dear one runs only when what the cheaper
 ones found is expected to yield fewer tokens per second than its own usual yield would at its
@@ -32,12 +33,15 @@ from ..tree import ROOT, DraftTree
 from ..verify import Verification
 from .base import DraftContext, Drafter
 
-_MEMORY = 0.9  # weight of the past in the running averages below
+_MEMORY = 0.9  # weight of the past in the running averages below, once they hold 10 samples
 _CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1.0
+_TRIAL = 3  # steps a drafter drafts in each generation before it is judged
 # Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
-# that still does not pay (a retry costs: a skipped draft model must catch up on the text it missed).
-_FIRST_RETRY = 32
-_LAST_RETRY = 256
+# that still does not pay. A retry costs a proposal (an int8 0.5B draft model: 50-150 ms here,
+# with catching up on the text it skipped, against a 350-500 ms target step); missing a drafter
+# that helps costs far more.
+_FIRST_RETRY = 4
+_LAST_RETRY = 64
 _TOLERANCE = 0.02  # slower by at most this share still counts as paying (drafting time under ~2%)
 
 Path = tuple[int, ...]
@@ -73,14 +77,13 @@ class _Ledger:
         300 ms forward) even while it has not helped yet: skipping it would save nothing, and its
         help often starts later in the answer (a summary quotes its article after a paraphrased start).
         """
-        if self.samples < 1:
-            return True
         with_speed = (1 + self.with_tokens) / (target_s + others_s + self.propose_s)
         return with_speed >= (1 - _TOLERANCE) * (1 + self.without_tokens) / (target_s + others_s)
 
 
-def _average(old: float, new: float, first: bool) -> float:
-    return new if first else _MEMORY * old + (1 - _MEMORY) * new
+def _average(old: float, new: float, samples: int) -> float:
+    """The mean of the first samples, then an exponential average (`samples`: those already in `old`)."""
+    return old + (new - old) * max(1 / (samples + 1), 1 - _MEMORY)
 
 
 class CombinedDrafter(Drafter):
@@ -98,6 +101,7 @@ class CombinedDrafter(Drafter):
         self.skip_unpaid = skip_unpaid
         self._ledgers = {d.name: _Ledger() for d in drafters}
         self._target_s = 0.0
+        self._steps = 0
         self._proposals: dict[str, _Proposal] = {}
         self._proposed_at = 0.0
 
@@ -120,6 +124,7 @@ class CombinedDrafter(Drafter):
         for drafter in sorted(self.drafters, key=lambda d: self._ledgers[d.name].propose_s):
             ledger = self._ledgers[drafter.name]
             # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
+            # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
             retry = ledger.skipped_for >= ledger.retry_after
             if not retry and not self._should_ask(ledger, total_s):
                 ledger.skipped_for += 1
@@ -128,16 +133,18 @@ class CombinedDrafter(Drafter):
             ledger.retry_after = min(2 * ledger.retry_after, _LAST_RETRY) if retry else _FIRST_RETRY
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
-            ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples == 0)
+            ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples)
             self._proposals[drafter.name] = _Proposal(tree, _paths(tree), _estimates(tree, ledger.calibration))
         merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
 
     def _should_ask(self, ledger: _Ledger, total_s: float) -> bool:
-        if not self.skip_unpaid or ledger.samples < 1:
+        if not self.skip_unpaid:
             return True
-        return ledger.pays(self._target_s, total_s - ledger.propose_s) and self._worth_asking(ledger)
+        if ledger.samples >= _TRIAL and not ledger.pays(self._target_s, total_s - ledger.propose_s):
+            return False
+        return self._worth_asking(ledger)
 
     def _worth_asking(self, ledger: _Ledger) -> bool:
         """Whether this step is expected to yield at least as many tokens per second with the drafter
@@ -145,16 +152,19 @@ class CombinedDrafter(Drafter):
 
         Its tokens count only where theirs fail at the first token: retrieval drafts are all or
         nothing (a quoted sentence, or a wrong match), so their expected yield alone would hide
-        how often the dear drafter is the one that delivers.
+        how often the dear drafter is the one that delivers. Until its trial is over its yield is
+        taken as at least one token, so one rejected draft does not keep it off the steps where
+        the others found nothing.
         """
         if not self._proposals or self._target_s <= 0:
             return True
+        own = ledger.own_tokens if ledger.samples >= _TRIAL else max(ledger.own_tokens, 1.0)
         found = max(sum(p.estimates) for p in self._proposals.values())
         first = max(
             (score for p in self._proposals.values() for score, parent in zip(p.estimates, p.tree.parents) if parent == ROOT),
             default=0.0,
         )
-        with_it = (1 + found + (1 - first) * ledger.own_tokens) / (self._target_s + ledger.propose_s)
+        with_it = (1 + found + (1 - first) * own) / (self._target_s + ledger.propose_s)
         return with_it >= (1 - _TOLERANCE) * (1 + found) / self._target_s
 
     def _merge(self, budget: int) -> DraftTree:
@@ -184,7 +194,8 @@ class CombinedDrafter(Drafter):
         return DraftTree(tokens, parents, sources, scores)
 
     def observe(self, verification: Verification) -> None:
-        self._target_s = _average(self._target_s, time.perf_counter() - self._proposed_at, self._target_s == 0)
+        self._target_s = _average(self._target_s, time.perf_counter() - self._proposed_at, self._steps)
+        self._steps += 1
         verified = {path: i for i, path in enumerate(_paths(verification.tree))}
         accepted = tuple(verification.accepted_tokens[:-1])
         coverage = {name: _covered(accepted, set(p.paths)) for name, p in self._proposals.items()}
@@ -195,10 +206,9 @@ class CombinedDrafter(Drafter):
                 ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
                 ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
             without = max((c for other, c in coverage.items() if other != name), default=0)
-            first = ledger.samples == 0
-            ledger.with_tokens = _average(ledger.with_tokens, len(accepted), first)
-            ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), first)
-            ledger.without_tokens = _average(ledger.without_tokens, without, first)
+            ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
+            ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)
+            ledger.without_tokens = _average(ledger.without_tokens, without, ledger.samples)
             ledger.samples += 1
             self._drafter(name).observe(projected)
 
