@@ -40,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
     parser.add_argument("--onednn", action="store_true", help="linear layers over 2-64 tokens through oneDNN, as the engine's verification (cpu_linear.py)")
     return parser.parse_args()
@@ -83,11 +84,12 @@ def main() -> None:
     vocab = model.config.vocab_size - 1000
     prompt = torch.randint(0, vocab, (1, args.context), device=device)
 
-    cache = DynamicCache(config=model.config)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    for _ in range(args.prefills):
+        cache = DynamicCache(config=model.config)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     for tokens in inputs.values():

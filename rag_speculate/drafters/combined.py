@@ -124,7 +124,6 @@ class CombinedDrafter(Drafter):
         for drafter in sorted(self.drafters, key=lambda d: self._ledgers[d.name].propose_s):
             ledger = self._ledgers[drafter.name]
             # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
-            # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
             retry = ledger.skipped_for >= ledger.retry_after
             if not retry and not self._should_ask(ledger, total_s):
                 ledger.skipped_for += 1

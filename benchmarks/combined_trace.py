@@ -1,0 +1,79 @@
+"""Step by step, what the combined drafter asked, verified and got accepted, and its draft-model ledger.
+
+    python3 benchmarks/combined_trace.py --categories translation --items 161,167 \
+        --datastore ~/.cache/rag-speculate/indexes/nq-qwen2.5-coder-1.5b-instruct
+
+Each item is answered by Ouroboros alone, then by the combined drafter (documents' trie, REST,
+Ouroboros; int8 0.5B draft, fp32 1.5B target), as in spec_bench.py's `ouroboros` and `combined`.
+A diagnostic: it reads the combined drafter's private ledger, which no API exposes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import torch
+from spec_bench import DEFAULT_DATA, load_items, open_datastore
+
+from rag_speculate import CombinedDrafter, NGramTrieDrafter, OuroborosDrafter, RESTDrafter, SpeculativeEngine
+from rag_speculate.loading import int8_draft_model, load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--categories", default="translation")
+    parser.add_argument("--items", required=True, help="question ids, comma-separated")
+    parser.add_argument("--datastore", type=Path, required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    engine = SpeculativeEngine.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype=torch.float32)
+    draft, draft_tokenizer = load_model("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
+    draft = int8_draft_model(draft)
+    store = open_datastore(args.datastore, engine.tokenizer)
+    ouroboros = OuroborosDrafter(draft, draft_tokenizer)
+    combined = CombinedDrafter([NGramTrieDrafter(), RESTDrafter(store), OuroborosDrafter(draft, draft_tokenizer)])
+    steps = trace(combined)
+    ids = set(args.items.split(","))
+    items = [it for it in load_items(engine, DEFAULT_DATA, args.categories.split(","), 10**6) if it.id in ids]
+    engine.generate([1, 2, 3, 4], max_new_tokens=4)  # one-off costs, the cost curve
+    for item in items:
+        for name, drafter in (("ouroboros", ouroboros), ("combined", combined)):
+            drafter.attach(engine.tokenizer, engine.vocab_size)
+            engine.drafter = drafter
+            steps.clear()
+            s = engine.generate(item.prompt_ids, documents=item.documents, max_new_tokens=args.max_new_tokens).stats
+            print(f"{item.category} {item.id} {name}: {s.new_tokens} tokens in {s.target_forwards} forwards, decode "
+                  f"{s.decode_s:.2f} s, drafting {s.drafting_s:.2f} s, accepted {dict(s.accepted_tokens)}")
+            for k, line in enumerate(steps if name == "combined" else []):
+                print(f"  {k:2d} {line}")
+
+
+def trace(combined: CombinedDrafter) -> list[str]:
+    """Wraps `combined` to log a line per step; returns the log."""
+    steps: list[str] = []
+    propose, observe = combined.propose, combined.observe
+
+    def logged_propose(tokens, budget):
+        tree = propose(tokens, budget)
+        ledger = combined._ledgers[OuroborosDrafter.name]
+        sizes = {n: len(p.tree) for n, p in combined._proposals.items()}
+        steps.append(f"proposed {sizes} | ouroboros ledger: samples {ledger.samples}, with {ledger.with_tokens:.2f}, "
+                     f"without {ledger.without_tokens:.2f}, own {ledger.own_tokens:.2f}, {ledger.propose_s * 1000:.0f} ms")
+        return tree
+
+    def logged_observe(verification):
+        tree = verification.tree
+        verified = Counter(tree.source(i) for i in range(len(tree)))
+        accepted = Counter(tree.source(i) for i in verification.accepted_nodes)
+        steps[-1] += f" | verified {dict(verified)}, accepted {dict(accepted)}"
+        observe(verification)
+
+    combined.propose, combined.observe = logged_propose, logged_observe
+    return steps
+
+
+if __name__ == "__main__":
+    main()
