@@ -93,17 +93,24 @@ class Verifier:
         self.onednn_linear = onednn_linear
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
-        self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
         """Logits after the last input token (only that row: a full RAG prompt's logits would take GBs)."""
         ids = torch.tensor([input_ids], device=self.device)
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._prefill_kwargs).logits[0, -1]
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(1)).logits[0, -1]
+
+    def _last_rows(self, rows: int | None) -> dict:
+        # Logits of rows nobody reads cost a vocabulary-sized product each (151k x 896 for a 0.5B Qwen).
+        return {"logits_to_keep": rows} if rows and self._keeps_logits else {}
 
     @torch.inference_mode()
-    def forward_tree(self, cache: DynamicCache, root: int, tree: DraftTree) -> torch.Tensor:
-        """Logits for [root, *tree.tokens] in one forward; row i + 1 follows draft node i."""
+    def forward_tree(self, cache: DynamicCache, root: int, tree: DraftTree, last_rows: int | None = None) -> torch.Tensor:
+        """Logits for [root, *tree.tokens] in one forward; row i + 1 follows draft node i.
+
+        `last_rows`: only the logits of the last that many of those rows are returned.
+        """
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         with self._kernels(len(tree) + 1):
@@ -113,15 +120,17 @@ class Verifier:
                 position_ids=tree_position_ids(tree, past, self.device),
                 past_key_values=cache,
                 use_cache=True,
+                **self._last_rows(last_rows),
             )
-        return out.logits[0]
+        return out.logits[0, -last_rows:] if last_rows else out.logits[0]
 
     @torch.inference_mode()
-    def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree) -> torch.Tensor:
+    def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree, last_rows: int | None = None) -> torch.Tensor:
         """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         with self._kernels(len(tree) + 1):
-            return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(last_rows)).logits[0]
+        return logits[-last_rows:] if last_rows else logits
 
     def _kernels(self, tokens: int) -> contextlib.AbstractContextManager:
         # A single token keeps torch's own kernel, and skips the mode's per-op dispatch.

@@ -187,6 +187,23 @@ def test_the_sentence_draft_is_the_draft_models_greedy_continuation_phrase_by_ph
     assert drafter.draft_forwards - 12 <= 5
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_output_the_draft_cache_lacks_rides_with_the_first_draft_forward(arch, tokenizer):
+    draft = tiny_model(arch, seed=3)
+    drafter = make_drafter(draft, tokenizer, gamma=6, K=0, min_score=0.0, learn_from_context=False)
+    drafter.attach(tokenizer, VOCAB)
+    ids = tokenizer.encode(PROMPTS[1])
+    expected = hf_greedy(draft, ids, 6)
+    drafter.start(DraftContext(ids[:-5], [], VOCAB))
+    forwards = []
+    draft.register_forward_hook(lambda *_: forwards.append(1))
+    # The engine accepted 5 tokens the draft model has not seen (drafted by another drafter).
+    tree = drafter.propose(ids, budget=6)
+    assert tree.tokens == expected
+    # No forward of its own for those tokens: they lead the first draft forward.
+    assert len(forwards) == drafter.draft_forwards > 0
+
+
 def test_scores_are_best_first_and_the_target_sees_chain_then_suffixes(tokenizer):
     drafter = make_drafter(
         tiny_model("llama", seed=3), tokenizer, gamma=4, beta=4, K=3, min_score=0.0, learn_from_context=False
