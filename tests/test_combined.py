@@ -239,4 +239,3 @@ def test_a_drafter_is_not_discredited_by_guesses_the_engine_would_never_verify()
         combined.observe(accepting(tree, [7, 8, 0]))
     # 3 tokens per 0.04 s against 1 per 0.03 s: it pays, so it is always asked.
     assert model.proposals == 12
-

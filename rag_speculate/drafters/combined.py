@@ -59,9 +59,6 @@ class _Proposal(NamedTuple):
     tree: DraftTree
     paths: list[Path]
     estimates: list[float]  # its scores rescaled by its drafter's calibration when it proposed
-    # False when the drafter chose not to draft (an empty tree at next to no cost: Ouroboros pausing
-    # after rejected drafts). It bet nothing, so the step says nothing of what its drafts yield.
-    judged: bool
 
 
 class _Ledger:
@@ -146,11 +143,8 @@ class CombinedDrafter(Drafter):
             ledger.retry_after = min(2 * ledger.retry_after, _LAST_RETRY) if retry else _FIRST_RETRY
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
-            elapsed = time.perf_counter() - started
-            judged = len(tree) > 0 or elapsed > _TOLERANCE * (self._target_s or float("inf"))
-            if judged:
-                ledger.propose_s = _average(ledger.propose_s, elapsed, ledger.samples)
-            self._proposals[drafter.name] = _Proposal(tree, _paths(tree), _estimates(tree, ledger.calibration), judged)
+            ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples)
+            self._proposals[drafter.name] = _Proposal(tree, _paths(tree), _estimates(tree, ledger.calibration))
         merged = _merge(self._proposals, budget)
         self._proposed_at = time.perf_counter()
         return merged
@@ -199,18 +193,17 @@ class CombinedDrafter(Drafter):
                 # Judged on the nodes the engine would have verified of its tree alone: deep guesses
                 # verified only because another drafter drafted them too must not vouch for its best ones.
                 alone = set(_paths(self._verified({name: proposal})))
-                counted = [i for i in kept if paths[i] in alone]
+                judged = [i for i in kept if paths[i] in alone]
                 # Its own scores, not the rescaled ones: the calibration is the ratio of accepted to those.
-                ledger.expected = _MEMORY * ledger.expected + sum(tree.scores[i] for i in counted)
-                ledger.accepted = _MEMORY * ledger.accepted + sum(paths[i] == accepted[: len(paths[i])] for i in counted)
-            if proposal.judged:
-                # The tokens the engine would have had accepted from what the others proposed.
-                others = {other: p for other, p in self._proposals.items() if other != name}
-                without = _covered(accepted, set(_paths(self._verified(others)))) if others else 0
-                ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
-                ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)
-                ledger.without_tokens = _average(ledger.without_tokens, without, ledger.samples)
-                ledger.samples += 1
+                ledger.expected = _MEMORY * ledger.expected + sum(tree.scores[i] for i in judged)
+                ledger.accepted = _MEMORY * ledger.accepted + sum(paths[i] == accepted[: len(paths[i])] for i in judged)
+            # The tokens the engine would have had accepted from what the others proposed.
+            others = {other: p for other, p in self._proposals.items() if other != name}
+            without = _covered(accepted, set(_paths(self._verified(others)))) if others else 0
+            ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
+            ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)
+            ledger.without_tokens = _average(ledger.without_tokens, without, ledger.samples)
+            ledger.samples += 1
             self._drafter(name).observe(projected)
 
     def _drafter(self, name: str) -> Drafter:
@@ -220,7 +213,7 @@ class CombinedDrafter(Drafter):
 def _merge(proposals: dict[str, _Proposal], budget: int) -> DraftTree:
     """The `budget` best nodes of all proposals, equal paths merged, best first."""
     best: dict[Path, tuple[float, str]] = {}
-    for name, (tree, paths, estimates, _) in proposals.items():
+    for name, (tree, paths, estimates) in proposals.items():
         for i, (path, score) in enumerate(zip(paths, estimates)):
             if path not in best or score > best[path][0]:
                 best[path] = (score, tree.source(i) or name)
