@@ -209,33 +209,3 @@ def test_start_reaches_every_drafter():
     a.start = b.start = started.append
     CombinedDrafter([a, b]).start(DraftContext([1], [], VOCAB))
     assert len(started) == 2
-
-
-def test_calibration_converges_to_the_accepted_share_of_the_drafters_scores():
-    # Scored 0.8 and accepted every other step: the estimate must settle near 0.8 * 0.5 / 0.8 = 0.4.
-    hopeful = FixedDrafter("hopeful", DraftTree([5], [-1], ["hopeful"], [0.8]))
-    combined = CombinedDrafter([hopeful])
-    for step in range(60):
-        tree = combined.propose([1], budget=4)
-        time.sleep(0.002)  # the target's forward
-        combined.observe(accepting(tree, [5, 0] if step % 2 else [0]))
-    (estimate,) = combined.propose([1], budget=4).scores
-    # The prior (one neutral expected token, against 8 in the faded evidence) keeps it at 0.50-0.56;
-    # rescaling the already rescaled estimates would settle near 0.8 * sqrt(0.5 / 0.8) = 0.63.
-    assert 0.4 <= estimate <= 0.58
-
-
-def test_a_drafter_is_not_discredited_by_guesses_the_engine_would_never_verify():
-    # The cheap drafter's best guess (9) is wrong; its tree also holds the target's 7, 8 but so
-    # deep in its ranking that the engine would verify only 9. Without the model, nothing would be accepted.
-    cheap = FixedDrafter("cheap", DraftTree([9, 7, 8], [-1, -1, 1], ["cheap"] * 3, [0.5, 0.01, 0.01]))
-    model = FixedDrafter("model", DraftTree([7, 8], [-1, 0], ["model"] * 2, [0.9, 0.8]), delay_s=0.01)
-    combined = CombinedDrafter([cheap, model])
-    # A second token costs 0.3 steps: only 9 of the cheap tree pays for its verification.
-    combined.start(DraftContext([1], [], VOCAB, CostModel({1: 1.0, 2: 1.3, 3: 1.6, 65: 20.0}, learn=False)))
-    for _ in range(12):
-        tree = combined.propose([1], budget=16)
-        time.sleep(0.03)  # the target's forward
-        combined.observe(accepting(tree, [7, 8, 0]))
-    # 3 tokens per 0.04 s against 1 per 0.03 s: it pays, so it is always asked.
-    assert model.proposals == 12

@@ -9,18 +9,14 @@ Estimates are only as good as each drafter's calibration, and drafting time is n
 drafter that runs a model can cost a third of a target forward per proposal on a CPU. So the
 combined drafter keeps, per drafter and across generations, how its estimates compare with what
 was accepted (and rescales them), and how many tokens per second the steps yield with it against
-without it (the tokens the engine would have had accepted of what the others proposed, over the
-time without its drafting). "What the engine would have verified" is the prefix of the others'
-merged tree that pays for its forward under the target's measured cost, not their whole trees: a
-datastore's 16-node tree often holds the draft model's tokens deep among guesses the engine
-would never verify, and crediting them made the draft model look as if it added nothing. Each generation judges a drafter afresh, once it has drafted in a few steps (one
+without it (the tokens the other drafters' trees would have covered, over the time without its
+drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
 rejected draft is no verdict: a draft model that helps at 0.4 tokens per step often misses its
 first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps.
 
 Within a step the drafters run cheapest first, and a dear one runs only when what the cheaper
-ones found (again the prefix the engine would verify) is expected to yield fewer tokens per
-second than its own usual yield would at its cost: where the documents' trie has a long confident
-match, the draft model is not asked.
+ones found is expected to yield fewer tokens per second than its own usual yield would at its
+cost: where the documents' trie has a long confident match, the draft model is not asked.
 """
 
 from __future__ import annotations
@@ -39,10 +35,7 @@ from ..verify import Verification
 from .base import DraftContext, Drafter
 
 _MEMORY = 0.9  # weight of the past in the running averages below, once they hold 10 samples
-# Expected tokens' weight of the neutral calibration 1.0. The evidence fades (_MEMORY), so it holds
-# at most 10 steps' expected tokens; a prior of 4 kept a drafter expecting 0.4 per step and never
-# accepted at a calibration of 0.5 or more for good.
-_CALIBRATION_PRIOR = 1.0
+_CALIBRATION_PRIOR = 1.0  # expected tokens' weight of the neutral calibration 1.0
 _TRIAL = 3  # steps a drafter drafts in each generation before it is judged
 # Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
 # that still does not pay. A retry costs a proposal (an int8 0.5B draft model: 50-150 ms here,
@@ -186,17 +179,12 @@ class CombinedDrafter(Drafter):
         self._steps += 1
         verified = {path: i for i, path in enumerate(_paths(verification.tree))}
         accepted = tuple(verification.accepted_tokens[:-1])
-        for name, proposal in self._proposals.items():
-            ledger, tree, paths = self._ledgers[name], proposal.tree, proposal.paths
+        for name, (tree, paths, estimates) in self._proposals.items():
+            ledger = self._ledgers[name]
             projected, kept = _project(verification, tree, paths, verified, accepted)
             if tree.scores:
-                # Judged on the nodes the engine would have verified of its tree alone: deep guesses
-                # verified only because another drafter drafted them too must not vouch for its best ones.
-                alone = set(_paths(self._verified({name: proposal})))
-                judged = [i for i in kept if paths[i] in alone]
-                # Its own scores, not the rescaled ones: the calibration is the ratio of accepted to those.
-                ledger.expected = _MEMORY * ledger.expected + sum(tree.scores[i] for i in judged)
-                ledger.accepted = _MEMORY * ledger.accepted + sum(paths[i] == accepted[: len(paths[i])] for i in judged)
+                ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
+                ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
             # The tokens the engine would have had accepted from what the others proposed.
             others = {other: p for other, p in self._proposals.items() if other != name}
             without = _covered(accepted, set(_paths(self._verified(others)))) if others else 0
