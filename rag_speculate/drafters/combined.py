@@ -28,14 +28,13 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from ..budget import CostModel, best_prefix
 from ..errors import InvalidArgumentError
 from ..tree import ROOT, DraftTree
 from ..verify import Verification
 from .base import DraftContext, Drafter
 
 _MEMORY = 0.9  # weight of the past in the running averages below, once they hold 10 samples
-_CALIBRATION_PRIOR = 1.0  # expected tokens' weight of the neutral calibration 1.0
+_CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1.0
 _TRIAL = 3  # steps a drafter drafts in each generation before it is judged
 # Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
 # that still does not pay. A retry costs a proposal (an int8 0.5B draft model: 50-150 ms here,
@@ -102,9 +101,7 @@ class CombinedDrafter(Drafter):
         self.skip_unpaid = skip_unpaid
         self._ledgers = {d.name: _Ledger() for d in drafters}
         self._target_s = 0.0
-        self._target_cost: CostModel | None = None
         self._steps = 0
-        self._budget = 0
         self._proposals: dict[str, _Proposal] = {}
         self._proposed_at = 0.0
 
@@ -113,7 +110,6 @@ class CombinedDrafter(Drafter):
             drafter.attach(tokenizer, vocab_size)
 
     def start(self, context: DraftContext) -> None:
-        self._target_cost = context.target_cost
         for drafter in self.drafters:
             drafter.start(context)
             # Whether a drafter pays depends on the text (a draft model predicts arithmetic, not a
@@ -123,7 +119,7 @@ class CombinedDrafter(Drafter):
             ledger.samples, ledger.skipped_for, ledger.retry_after = 0, 0, _FIRST_RETRY
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
-        self._proposals, self._budget = {}, budget
+        self._proposals = {}
         total_s = sum(self._ledgers[d.name].propose_s for d in self.drafters)
         for drafter in sorted(self.drafters, key=lambda d: self._ledgers[d.name].propose_s):
             ledger = self._ledgers[drafter.name]
@@ -138,7 +134,7 @@ class CombinedDrafter(Drafter):
             tree = drafter.propose(tokens, budget)
             ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples)
             self._proposals[drafter.name] = _Proposal(tree, _paths(tree), _estimates(tree, ledger.calibration))
-        merged = _merge(self._proposals, budget)
+        merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
 
@@ -162,32 +158,53 @@ class CombinedDrafter(Drafter):
         if not self._proposals or self._target_s <= 0:
             return True
         own = ledger.own_tokens if ledger.samples >= _TRIAL else max(ledger.own_tokens, 1.0)
-        verified = self._verified(self._proposals)
-        found = sum(verified.scores)
-        # Distinct first tokens: the chances that one of them is accepted add up.
-        first = min(1.0, sum(score for score, parent in zip(verified.scores, verified.parents) if parent == ROOT))
+        found = max(sum(p.estimates) for p in self._proposals.values())
+        first = max(
+            (score for p in self._proposals.values() for score, parent in zip(p.estimates, p.tree.parents) if parent == ROOT),
+            default=0.0,
+        )
         with_it = (1 + found + (1 - first) * own) / (self._target_s + ledger.propose_s)
         return with_it >= (1 - _TOLERANCE) * (1 + found) / self._target_s
 
-    def _verified(self, proposals: dict[str, _Proposal]) -> DraftTree:
-        """What the engine would verify of these proposals merged: the prefix that pays for its forward."""
-        merged = _merge(proposals, self._budget)
-        return merged if self._target_cost is None else merged.truncated(best_prefix(merged.scores, self._target_cost))
+    def _merge(self, budget: int) -> DraftTree:
+        """The `budget` best nodes of all proposals, equal paths merged, best first."""
+        best: dict[Path, tuple[float, str]] = {}
+        for name, (tree, paths, estimates) in self._proposals.items():
+            for i, (path, score) in enumerate(zip(paths, estimates)):
+                if path not in best or score > best[path][0]:
+                    best[path] = (score, tree.source(i) or name)
+        children: dict[Path, list[Path]] = {}
+        for path in best:
+            children.setdefault(path[:-1], []).append(path)
+        tokens, parents, sources, scores = [], [], [], []
+        index: dict[Path, int] = {(): ROOT}
+        heap = [(-best[p][0], p) for p in children.get((), [])]
+        heapq.heapify(heap)
+        while heap and len(tokens) < budget:
+            negative, path = heapq.heappop(heap)
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+            sources.append(best[path][1])
+            scores.append(-negative)
+            for child in children.get(path, []):
+                # Never above its parent: the engine keeps a prefix of this list, which must stay a tree.
+                heapq.heappush(heap, (max(negative, -best[child][0]), child))
+        return DraftTree(tokens, parents, sources, scores)
 
     def observe(self, verification: Verification) -> None:
         self._target_s = _average(self._target_s, time.perf_counter() - self._proposed_at, self._steps)
         self._steps += 1
         verified = {path: i for i, path in enumerate(_paths(verification.tree))}
         accepted = tuple(verification.accepted_tokens[:-1])
+        coverage = {name: _covered(accepted, set(p.paths)) for name, p in self._proposals.items()}
         for name, (tree, paths, estimates) in self._proposals.items():
             ledger = self._ledgers[name]
             projected, kept = _project(verification, tree, paths, verified, accepted)
             if tree.scores:
                 ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
                 ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
-            # The tokens the engine would have had accepted from what the others proposed.
-            others = {other: p for other, p in self._proposals.items() if other != name}
-            without = _covered(accepted, set(_paths(self._verified(others)))) if others else 0
+            without = max((c for other, c in coverage.items() if other != name), default=0)
             ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
             ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)
             ledger.without_tokens = _average(ledger.without_tokens, without, ledger.samples)
@@ -196,33 +213,6 @@ class CombinedDrafter(Drafter):
 
     def _drafter(self, name: str) -> Drafter:
         return next(d for d in self.drafters if d.name == name)
-
-
-def _merge(proposals: dict[str, _Proposal], budget: int) -> DraftTree:
-    """The `budget` best nodes of all proposals, equal paths merged, best first."""
-    best: dict[Path, tuple[float, str]] = {}
-    for name, (tree, paths, estimates) in proposals.items():
-        for i, (path, score) in enumerate(zip(paths, estimates)):
-            if path not in best or score > best[path][0]:
-                best[path] = (score, tree.source(i) or name)
-    children: dict[Path, list[Path]] = {}
-    for path in best:
-        children.setdefault(path[:-1], []).append(path)
-    tokens, parents, sources, scores = [], [], [], []
-    index: dict[Path, int] = {(): ROOT}
-    heap = [(-best[p][0], p) for p in children.get((), [])]
-    heapq.heapify(heap)
-    while heap and len(tokens) < budget:
-        negative, path = heapq.heappop(heap)
-        index[path] = len(tokens)
-        tokens.append(path[-1])
-        parents.append(index[path[:-1]])
-        sources.append(best[path][1])
-        scores.append(-negative)
-        for child in children.get(path, []):
-            # Never above its parent: the engine keeps a prefix of this list, which must stay a tree.
-            heapq.heappush(heap, (max(negative, -best[child][0]), child))
-    return DraftTree(tokens, parents, sources, scores)
 
 
 def _project(verification: Verification, tree: DraftTree, paths: list[Path], verified: dict[Path, int], accepted: Path) -> tuple[Verification, list[int]]:
