@@ -184,7 +184,9 @@ class OuroborosDrafter(Drafter):
         self._learned = len(context.prompt_ids)
         # Timed and prefilled here, so `last_propose_s` times drafting alone.
         self._floor = self._score_floor(context.target_cost)
-        self._sync(context.prompt_ids)
+        if context.prompt_ids:
+            self._verifier.prefill(self._cache, self._feedable(context.prompt_ids))
+            self._cached = list(context.prompt_ids)
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         started = time.perf_counter()
@@ -226,14 +228,6 @@ class OuroborosDrafter(Drafter):
             keep_cache_entries(self._cache, len(self._cached) - common, [])
             del self._cached[common:]
         return list(context[common:])
-
-    @torch.inference_mode()
-    def _sync(self, context: Sequence[int]) -> None:
-        """Bring the draft cache to hold exactly `context`."""
-        pending = self._rollback(context)
-        if pending:
-            self._verifier.prefill(self._cache, self._feedable(pending))
-            self._cached.extend(pending)
 
     def _sentence_draft(self, pending: list[int], root: int, length: int) -> list[int]:
         """Greedy draft-model tokens after `root`, phrase by phrase, until `length` or the score floor.
@@ -336,17 +330,9 @@ class OuroborosDrafter(Drafter):
 
     def _longer_draft(self, chain: list[int], budget: int) -> DraftTree:
         """The chain, then the suffix candidates hung after its last token, scores best-first."""
-        scores = self._chain_scores
-        parents = list(range(-1, len(chain) - 1))
         tails = [p[1:] for p in self._suffixes]
-        suffix = _phrase_tree(tails, budget - len(chain), self._suffix_rate.rate, POOL_SOURCE, scores[-1])
-        last = len(chain) - 1
-        return DraftTree(
-            chain + suffix.tokens,
-            parents + [last if p == ROOT else p + len(chain) for p in suffix.parents],
-            [DRAFT_SOURCE] * len(chain) + suffix.sources,
-            scores + suffix.scores,
-        )
+        suffix = _phrase_tree(tails, budget - len(chain), self._suffix_rate.rate, POOL_SOURCE, self._chain_scores[-1])
+        return _after_chain(chain, suffix, [DRAFT_SOURCE] * len(chain), self._chain_scores)
 
     def observe(self, verification: Verification) -> None:
         tree = verification.tree
@@ -461,15 +447,14 @@ class _DepthLimit:
             self.depth = min(verified + 1, self.most) if verified == proposed else verified
 
 
-def _after_chain(chain: list[int], tree: DraftTree) -> DraftTree:
-    """`tree` hung after the last of `chain`'s tokens, which lead it one after another."""
-    if not chain:
-        return tree
+def _after_chain(chain: list[int], tree: DraftTree, sources: list[str] | None = None, scores: list[float] | None = None) -> DraftTree:
+    """`tree` hung after the last of `chain`'s tokens, which lead it one after another; given the
+    chain's `sources` and `scores`, the tree's own follow them."""
     last = len(chain) - 1
-    return DraftTree(
-        chain + tree.tokens,
-        list(range(-1, last)) + [last if p == ROOT else p + len(chain) for p in tree.parents],
-    )
+    parents = list(range(-1, last)) + [last if p == ROOT else p + len(chain) for p in tree.parents]
+    if sources is None or scores is None:
+        return DraftTree(chain + tree.tokens, parents)
+    return DraftTree(chain + tree.tokens, parents, sources + tree.sources, scores + tree.scores)
 
 
 def _phrase_tree(phrases: list[Sequence[int]], budget: int, agreement: float, source: str, reach: float = 1.0) -> DraftTree:
