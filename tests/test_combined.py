@@ -115,10 +115,12 @@ def test_a_slow_drafter_that_adds_nothing_is_skipped_and_retried():
     assert steps_asked(8) == [4]
 
 
-def test_a_dear_drafter_is_asked_only_when_the_cheaper_ones_found_little():
+@pytest.mark.parametrize("paces_itself", [False, True])
+def test_a_dear_drafter_is_asked_only_when_the_cheaper_ones_found_little(paces_itself):
     strong = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], ["trie"] * 6, [0.95] * 6)
     trie = FixedDrafter("trie", strong)
     model = FixedDrafter("model", DraftTree([7, 8], [-1, 0], ["model"] * 2, [0.9, 0.8]), delay_s=0.02)
+    model.paces_itself = paces_itself
     combined = CombinedDrafter([trie, model])
     asked = []
     for step in range(10):
@@ -144,6 +146,20 @@ def test_one_rejected_draft_does_not_keep_a_dear_drafter_off():
         combined.observe(accepting(tree, [7, 8, 0] if step % 2 else [0]))
     # 1 token per 0.035 s on average against 1 per 0.03 s without it: it pays, so it is always asked.
     assert model.proposals == 12
+
+
+def test_a_drafter_that_paces_itself_is_not_judged_on_its_averages():
+    trie = FixedDrafter("trie", DraftTree.empty())
+    model = FixedDrafter("model", DraftTree([7, 8], [-1, 0], ["model"] * 2, [0.9, 0.8]), delay_s=0.01)
+    model.paces_itself = True  # its pauses are its own (it proposes on every step here)
+    combined = CombinedDrafter([trie, model])
+    for step in range(16):
+        tree = combined.propose([1], budget=16)
+        time.sleep(0.03)  # the target's forward
+        # Rejected for 8 steps (1 token per 0.04 s against 1 per 0.03 s without it), then right.
+        combined.observe(accepting(tree, [7, 8, 0] if step >= 8 else [0]))
+    # Judged on its averages it would be skipped after its trial and miss most of the second half.
+    assert model.proposals == 16
 
 
 def accepting(tree: DraftTree, says: list[int]) -> Verification:

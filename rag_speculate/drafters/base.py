@@ -33,6 +33,10 @@ class Drafter(ABC):
     """Base class: override `propose`, and `start` / `observe` when the drafter keeps state."""
 
     name: str = "drafter"
+    # True where the drafter backs off by itself after failed drafts (an empty tree at next to no
+    # cost) and comes back as soon as it is right again: a combiner then leaves its pacing to it
+    # instead of judging it on averages, which miss the short stretches where it predicts.
+    paces_itself: bool = False
 
     def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         """The engine this drafter serves is being built: refuse a target whose token ids mean other text."""

@@ -12,7 +12,10 @@ was accepted (and rescales them), and how many tokens per second the steps yield
 without it (the tokens the other drafters' trees would have covered, over the time without its
 drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
 rejected draft is no verdict: a draft model that helps at 0.4 tokens per step often misses its
-first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps.
+first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
+that paces itself (`Drafter.paces_itself`: Ouroboros pauses for 1, 2, 4, ... proposals after a
+rejected draft and is back after any accepted token) is not judged so: averages over a
+translation miss the short stretches where the draft model predicts it.
 
 Within a step the drafters run cheapest first, and a dear one runs only when what the cheaper
 ones found is expected to yield fewer tokens per second than its own usual yield would at its
@@ -124,8 +127,8 @@ class CombinedDrafter(Drafter):
         for drafter in sorted(self.drafters, key=lambda d: self._ledgers[d.name].propose_s):
             ledger = self._ledgers[drafter.name]
             # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
-            retry = ledger.skipped_for >= ledger.retry_after
-            if not retry and not self._should_ask(ledger, total_s):
+            retry = not drafter.paces_itself and ledger.skipped_for >= ledger.retry_after
+            if not retry and not self._should_ask(drafter, ledger, total_s):
                 ledger.skipped_for += 1
                 continue
             ledger.skipped_for = 0
@@ -138,14 +141,14 @@ class CombinedDrafter(Drafter):
         self._proposed_at = time.perf_counter()
         return merged
 
-    def _should_ask(self, ledger: _Ledger, total_s: float) -> bool:
+    def _should_ask(self, drafter: Drafter, ledger: _Ledger, total_s: float) -> bool:
         if not self.skip_unpaid:
             return True
-        if ledger.samples >= _TRIAL and not ledger.pays(self._target_s, total_s - ledger.propose_s):
+        if _judged(drafter, ledger) and not ledger.pays(self._target_s, total_s - ledger.propose_s):
             return False
-        return self._worth_asking(ledger)
+        return self._worth_asking(drafter, ledger)
 
-    def _worth_asking(self, ledger: _Ledger) -> bool:
+    def _worth_asking(self, drafter: Drafter, ledger: _Ledger) -> bool:
         """Whether this step is expected to yield at least as many tokens per second with the drafter
         as with what the drafters asked so far found.
 
@@ -153,11 +156,12 @@ class CombinedDrafter(Drafter):
         nothing (a quoted sentence, or a wrong match), so their expected yield alone would hide
         how often the dear drafter is the one that delivers. Until its trial is over its yield is
         taken as at least one token, so one rejected draft does not keep it off the steps where
-        the others found nothing.
+        the others found nothing; so always for a drafter that paces itself, whose pauses already
+        spare the steps where it expects nothing.
         """
         if not self._proposals or self._target_s <= 0:
             return True
-        own = ledger.own_tokens if ledger.samples >= _TRIAL else max(ledger.own_tokens, 1.0)
+        own = ledger.own_tokens if _judged(drafter, ledger) else max(ledger.own_tokens, 1.0)
         found = max(sum(p.estimates) for p in self._proposals.values())
         first = max(
             (score for p in self._proposals.values() for score, parent in zip(p.estimates, p.tree.parents) if parent == ROOT),
@@ -213,6 +217,11 @@ class CombinedDrafter(Drafter):
 
     def _drafter(self, name: str) -> Drafter:
         return next(d for d in self.drafters if d.name == name)
+
+
+def _judged(drafter: Drafter, ledger: _Ledger) -> bool:
+    """Whether the drafter's averages so far decide if it is asked (rather than its trial or its own pacing)."""
+    return not drafter.paces_itself and ledger.samples >= _TRIAL
 
 
 def _project(verification: Verification, tree: DraftTree, paths: list[Path], verified: dict[Path, int], accepted: Path) -> tuple[Verification, list[int]]:

@@ -94,6 +94,7 @@ class OuroborosDrafter(Drafter):
     """
 
     name = "ouroboros"
+    paces_itself = True  # _DepthLimit
 
     def __init__(
         self,
