@@ -1,4 +1,5 @@
-"""Step by step, what the combined drafter asked, verified and got accepted, and its draft-model ledger.
+"""Step by step, what the combined drafter asked, verified (with the sum of the estimates the engine
+saw) and got accepted, how long the step took besides drafting, and its draft-model ledger.
 
     python3 benchmarks/combined_trace.py --categories translation --items 161,167 \
         --datastore ~/.cache/rag-speculate/indexes/nq-qwen2.5-coder-1.5b-instruct
@@ -11,6 +12,7 @@ A diagnostic: it reads the combined drafter's private ledger, which no API expos
 from __future__ import annotations
 
 import argparse
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -46,7 +48,8 @@ def main() -> None:
             steps.clear()
             s = engine.generate(item.prompt_ids, documents=item.documents, max_new_tokens=args.max_new_tokens).stats
             print(f"{item.category} {item.id} {name}: {s.new_tokens} tokens in {s.target_forwards} forwards, decode "
-                  f"{s.decode_s:.2f} s, drafting {s.drafting_s:.2f} s, accepted {dict(s.accepted_tokens)}")
+                  f"{s.decode_s:.2f} s, drafting {s.drafting_s:.2f} s, accepted {dict(s.accepted_tokens)}, "
+                  f"{(s.decode_s - s.drafting_s) / s.target_forwards * 1000:.0f} ms per step besides drafting")
             for k, line in enumerate(steps if name == "combined" else []):
                 print(f"  {k:2d} {line}")
 
@@ -55,20 +58,28 @@ def trace(combined: CombinedDrafter) -> list[str]:
     """Wraps `combined` to log a line per step; returns the log."""
     steps: list[str] = []
     propose, observe = combined.propose, combined.observe
+    proposed_at = 0.0
 
     def logged_propose(tokens, budget):
+        nonlocal proposed_at
         tree = propose(tokens, budget)
         ledger = combined._ledgers[OuroborosDrafter.name]
         sizes = {n: len(p.tree) for n, p in combined._proposals.items()}
         steps.append(f"proposed {sizes} | ouroboros ledger: samples {ledger.samples}, with {ledger.with_tokens:.2f}, "
                      f"without {ledger.without_tokens:.2f}, own {ledger.own_tokens:.2f}, {ledger.propose_s * 1000:.0f} ms")
+        proposed_at = time.perf_counter()
         return tree
 
     def logged_observe(verification):
         tree = verification.tree
         verified = Counter(tree.source(i) for i in range(len(tree)))
+        expected = Counter()
+        for i in range(len(tree)):
+            expected[tree.source(i)] += tree.scores[i]
         accepted = Counter(tree.source(i) for i in verification.accepted_nodes)
-        steps[-1] += f" | verified {dict(verified)}, accepted {dict(accepted)}"
+        elapsed = time.perf_counter() - proposed_at
+        verified = {source: f"{n} ({expected[source]:.2f})" for source, n in verified.items()}
+        steps[-1] += f" | verified (expected tokens) {verified} in {elapsed * 1000:.0f} ms, accepted {dict(accepted)}"
         observe(verification)
 
     combined.propose, combined.observe = logged_propose, logged_observe
