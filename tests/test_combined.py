@@ -162,6 +162,20 @@ def test_a_drafter_that_paces_itself_is_not_judged_on_its_averages():
     assert model.proposals == 16
 
 
+def test_a_drafter_that_paces_itself_is_retried_after_one_slow_proposal():
+    trie = FixedDrafter("trie", DraftTree.empty())
+    model = FixedDrafter("model", DraftTree([7, 8], [-1, 0], ["model"] * 2, [0.9, 0.8]), delay_s=0.1)
+    model.paces_itself = True
+    combined = CombinedDrafter([trie, model])
+    for step in range(12):
+        tree = combined.propose([1], budget=16)
+        model.delay_s = 0.002  # the first proposal caught up on a long context; the next ones are quick
+        time.sleep(0.03)  # the target's forward
+        combined.observe(accepting(tree, [7, 8, 0]))
+    # 3 tokens per 0.13 s looks worse than 1 per 0.03 s, but a retry measures it again.
+    assert model.proposals > 2
+
+
 def accepting(tree: DraftTree, says: list[int]) -> Verification:
     """The verification by a target whose choices along the way are `says`."""
     children, node, path = tree.children(), -1, []

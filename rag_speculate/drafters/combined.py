@@ -15,7 +15,8 @@ rejected draft is no verdict: a draft model that helps at 0.4 tokens per step of
 first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
 that paces itself (`Drafter.paces_itself`: Ouroboros pauses for 1, 2, 4, ... proposals after a
 rejected draft and is back after any accepted token) is not judged so: averages over a
-translation miss the short stretches where the draft model predicts it.
+translation miss the short stretches where the draft model predicts it. It is still retried on
+that schedule where the per-step test below kept it off.
 
 Within a step the drafters run cheapest first, and a dear one runs only when what the cheaper
 ones found is expected to yield fewer tokens per second than its own usual yield would at its
@@ -126,8 +127,9 @@ class CombinedDrafter(Drafter):
         total_s = sum(self._ledgers[d.name].propose_s for d in self.drafters)
         for drafter in sorted(self.drafters, key=lambda d: self._ledgers[d.name].propose_s):
             ledger = self._ledgers[drafter.name]
-            # A retry always drafts: it is how a drafter skipped on stale evidence is measured again.
-            retry = not drafter.paces_itself and ledger.skipped_for >= ledger.retry_after
+            # A retry always drafts: it is how a drafter skipped on stale evidence is measured again
+            # (also one that paces itself: one slow proposal, a long catch-up, must not keep it off).
+            retry = ledger.skipped_for >= ledger.retry_after
             if not retry and not self._should_ask(drafter, ledger, total_s):
                 ledger.skipped_for += 1
                 continue
