@@ -176,6 +176,32 @@ def test_a_drafter_that_paces_itself_is_retried_after_one_slow_proposal():
     assert model.proposals > 2
 
 
+def test_rejected_retrieval_drafts_are_trusted_less_until_verified_again():
+    good = FixedDrafter("good", DraftTree([5], [-1], ["good"], [0.95]))
+    junk = FixedDrafter("junk", DraftTree([8], [-1], ["junk"], [0.9]))
+    model = FixedDrafter("model", DraftTree([9], [-1], ["model"], [0.9]))
+    model.paces_itself = True
+    combined = CombinedDrafter([good, junk, model], skip_unpaid=False)
+
+    def proposed() -> tuple[DraftTree, dict[str, float]]:
+        tree = combined.propose([1], budget=4)
+        return tree, dict(zip(tree.sources, tree.scores))
+
+    for _ in range(3):
+        tree, _ = proposed()
+        combined.observe(accepting(tree, [5, 0]))  # the good drafter's token is accepted, the others' rejected
+    _, after = proposed()
+    # A retrieval drafter's scores are corrected within a few rejections; a drafter that paces
+    # itself, whose own probabilities score its drafts, less.
+    assert after["junk"] < 0.4 and after["model"] > 0.55
+    for _ in range(20):
+        proposed()
+        combined.observe(accepting(DraftTree([5], [-1], ["good"], [0.95]), [5, 0]))
+    # Steps that verified none of its nodes say nothing of its estimates.
+    _, later = proposed()
+    assert later["junk"] == pytest.approx(after["junk"]) and later["model"] == pytest.approx(after["model"])
+
+
 def accepting(tree: DraftTree, says: list[int]) -> Verification:
     """The verification by a target whose choices along the way are `says`."""
     children, node, path = tree.children(), -1, []

@@ -8,7 +8,8 @@ so the rates it learns stay its own.
 Estimates are only as good as each drafter's calibration, and drafting time is not free: a
 drafter that runs a model can cost a third of a target forward per proposal on a CPU. So the
 combined drafter keeps, per drafter and across generations, how its estimates compare with what
-was accepted (and rescales them), and how many tokens per second the steps yield with it against
+was accepted (and rescales them; that evidence fades only when its nodes are verified again, so a
+retrieval drafter whose drafts a translation rejects stays distrusted), and how many tokens per second the steps yield with it against
 without it (the tokens the other drafters' trees would have covered, over the time without its
 drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
 rejected draft is no verdict: a draft model that helps at 0.4 tokens per step often misses its
@@ -38,7 +39,12 @@ from ..verify import Verification
 from .base import DraftContext, Drafter
 
 _MEMORY = 0.9  # weight of the past in the running averages below, once they hold 10 samples
-_CALIBRATION_PRIOR = 4.0  # expected tokens' weight of the neutral calibration 1.0
+# Expected tokens' weight of the neutral calibration 1.0. A retrieval drafter's scores come from
+# priors (REST on a translation: 8 expected tokens, 1 accepted) and need little weight to be
+# corrected; a drafter that paces itself (a draft model's probabilities: 29 expected, 29 accepted)
+# acts on its failures already, and a light prior on top cut its chains (docs/benchmarks.md §4).
+_CALIBRATION_PRIOR = 1.0
+_SELF_PACED_CALIBRATION_PRIOR = 4.0
 _TRIAL = 3  # steps a drafter drafts in each generation before it is judged
 # Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
 # that still does not pay. A retry costs a proposal (an int8 0.5B draft model: 50-150 ms here,
@@ -60,7 +66,8 @@ class _Proposal(NamedTuple):
 class _Ledger:
     """What one drafter has earned: calibration of its estimates, and its time against its tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, calibration_prior: float) -> None:
+        self.calibration_prior = calibration_prior
         self.expected = 0.0
         self.accepted = 0.0
         self.propose_s = 0.0
@@ -72,7 +79,7 @@ class _Ledger:
 
     @property
     def calibration(self) -> float:
-        return (self.accepted + _CALIBRATION_PRIOR) / (self.expected + _CALIBRATION_PRIOR)
+        return (self.accepted + self.calibration_prior) / (self.expected + self.calibration_prior)
 
     def pays(self, target_s: float, others_s: float) -> bool:
         """Whether steps with this drafter yield at least about as many tokens per second as without it.
@@ -103,7 +110,9 @@ class CombinedDrafter(Drafter):
             raise InvalidArgumentError(f"drafter names must be distinct to credit their tokens, got {names}")
         self.drafters = drafters
         self.skip_unpaid = skip_unpaid
-        self._ledgers = {d.name: _Ledger() for d in drafters}
+        self._ledgers = {
+            d.name: _Ledger(_SELF_PACED_CALIBRATION_PRIOR if d.paces_itself else _CALIBRATION_PRIOR) for d in drafters
+        }
         self._target_s = 0.0
         self._steps = 0
         self._proposals: dict[str, _Proposal] = {}
@@ -207,7 +216,10 @@ class CombinedDrafter(Drafter):
         for name, (tree, paths, estimates) in self._proposals.items():
             ledger = self._ledgers[name]
             projected, kept = _project(verification, tree, paths, verified, accepted)
-            if tree.scores:
+            # Evidence fades per verification of the drafter's nodes, not per step: steps where none
+            # of them was verified say nothing of its estimates, and fading on them let a drafter
+            # whose drafts were just rejected back to a neutral calibration within ten steps.
+            if kept and tree.scores:
                 ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
                 ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
             without = max((c for other, c in coverage.items() if other != name), default=0)
