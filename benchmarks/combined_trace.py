@@ -4,7 +4,9 @@ saw) and got accepted, how long the step took besides drafting, and its draft-mo
     python3 benchmarks/combined_trace.py --categories translation --items 161,167 \
         --datastore ~/.cache/rag-speculate/indexes/nq-qwen2.5-coder-1.5b-instruct
 
-Each item is answered by Ouroboros alone, then by the combined drafter (documents' trie, REST,
+The last two lines total, over all items, each source's verified nodes, their estimates and its
+accepted tokens, for Ouroboros alone and for the combined drafter. Each item is answered by
+Ouroboros alone, then by the combined drafter (documents' trie, REST,
 Ouroboros; int8 0.5B draft, fp32 1.5B target), as in spec_bench.py's `ouroboros` and `combined`.
 A diagnostic: it reads the combined drafter's private ledger, which no API exposes.
 """
@@ -38,6 +40,7 @@ def main() -> None:
     ouroboros = OuroborosDrafter(draft, draft_tokenizer)
     combined = CombinedDrafter([NGramTrieDrafter(), RESTDrafter(store), OuroborosDrafter(draft, draft_tokenizer)])
     steps = trace(combined)
+    tallies = {"ouroboros": tally(ouroboros), "combined": tally(combined)}
     ids = set(args.items.split(","))
     items = [it for it in load_items(engine, DEFAULT_DATA, args.categories.split(","), 10**6) if it.id in ids]
     engine.generate([1, 2, 3, 4], max_new_tokens=4)  # one-off costs, the cost curve
@@ -52,6 +55,27 @@ def main() -> None:
                   f"{(s.decode_s - s.drafting_s) / s.target_forwards * 1000:.0f} ms per step besides drafting")
             for k, line in enumerate(steps if name == "combined" else []):
                 print(f"  {k:2d} {line}")
+    for name, counts in tallies.items():
+        print(f"{name}, all items: verified nodes / expected tokens / accepted tokens by source: "
+              + ", ".join(f"{source} {n} / {expected:.2f} / {accepted}" for source, (n, expected, accepted) in sorted(counts.items())))
+
+
+def tally(drafter) -> dict[str, list]:
+    """Wraps `drafter` to count, per source, the nodes verified, their estimates and those accepted."""
+    counts: dict[str, list] = {}
+    observe = drafter.observe
+
+    def counted_observe(verification):
+        tree, accepted = verification.tree, set(verification.accepted_nodes)
+        for i in range(len(tree)):
+            entry = counts.setdefault(tree.source(i), [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += tree.scores[i]
+            entry[2] += i in accepted
+        observe(verification)
+
+    drafter.observe = counted_observe
+    return counts
 
 
 def trace(combined: CombinedDrafter) -> list[str]:
