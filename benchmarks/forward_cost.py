@@ -7,7 +7,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct \\
         --dtype bfloat16 --context 1000 --sizes 1 2 4 8 16 32
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --context 500
-    python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --onednn --context 500
+    python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from rag_speculate.cpu_linear import OneDNNLinear
+from rag_speculate.cpu_linear import FastLinear
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
 
@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
-    parser.add_argument("--onednn", action="store_true", help="linear layers over 2-64 tokens through oneDNN, as the engine's verification (cpu_linear.py)")
+    parser.add_argument("--fast", action="store_true", help="linear layers through the engine's CPU kernels (cpu_linear.py)")
     return parser.parse_args()
 
 
@@ -59,11 +59,11 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, onednn: bool = False) -> float:
+def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
     synchronize(tokens.device)
     start = time.perf_counter()
-    with OneDNNLinear() if onednn and tokens.shape[1] > 1 else contextlib.nullcontext():
+    with FastLinear() if fast else contextlib.nullcontext():
         model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
     synchronize(tokens.device)
     elapsed = time.perf_counter() - start
@@ -93,13 +93,13 @@ def main() -> None:
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     for tokens in inputs.values():
-        time_forward(model, cache, tokens, args.onednn)  # warm-up: allocator, kernel selection
+        time_forward(model, cache, tokens, args.fast)  # warm-up: allocator, kernel selection
     # Rounds over all sizes rather than all repeats of one size, so a burst of
     # load from another process hits every size alike instead of skewing one.
     runs: dict[int, list[float]] = {q: [] for q in args.sizes}
     for round_index in range(args.repeats):
         for q, tokens in inputs.items():
-            runs[q].append(time_forward(model, cache, tokens, args.onednn))
+            runs[q].append(time_forward(model, cache, tokens, args.fast))
         print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
     assert cache.get_seq_length() == args.context
     rows = [(q, statistics.median(times) * 1000, min(times) * 1000) for q, times in runs.items()]
@@ -108,7 +108,7 @@ def main() -> None:
     # Other processes on a small machine distort timings; the load average shows it.
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (oneDNN linear)' if args.onednn else ''}, {args.device}, {args.threads} threads, "
+        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast linear)' if args.fast else ''}, {args.device}, {args.threads} threads, "
         f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
     )
     # The minimum is the least disturbed run; a large gap to the median means noise.
@@ -116,24 +116,25 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for q, ms, fastest in rows:
         print(f"| {q} | {ms:.1f} | {ms / q:.1f} | {ms / base:.2f} | {fastest:.1f} | {fastest / base_min:.2f} |")
-    if args.onednn:
+    if args.fast:
         print_rounding(model, cache, torch.randint(0, vocab, (1, 16), device=device))
 
 
 @torch.inference_mode()
 def print_rounding(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor) -> None:
-    """How far one forward over `tokens` lands from feeding them one at a time, with each kernel."""
-    def logits(onednn: bool) -> torch.Tensor:
-        with OneDNNLinear() if onednn else contextlib.nullcontext():
-            out = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+    """How far the logits land from `model.generate`'s (token by token, torch's kernel), by kernel and feeding."""
+    def logits(fast: bool, one_by_one: bool) -> torch.Tensor:
+        with FastLinear() if fast else contextlib.nullcontext():
+            chunks = tokens.split(1, dim=1) if one_by_one else [tokens]
+            out = torch.cat([model(input_ids=c, past_key_values=cache, use_cache=True).logits for c in chunks], dim=1)
         cache.crop(-tokens.shape[1])
         return out
 
-    single = torch.cat([model(input_ids=tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits
-                        for i in range(tokens.shape[1])], dim=1)
-    cache.crop(-tokens.shape[1])
-    print(f"\nmax |logit difference| of one forward over {tokens.shape[1]} tokens against token-by-token decoding: "
-          f"torch's kernel {(logits(False) - single).abs().max().item():.2e}, oneDNN {(logits(True) - single).abs().max().item():.2e}")
+    reference = logits(False, True)
+    for fast, one_by_one, what in ((False, False, "torch's kernel, one forward"), (True, False, "fast kernels, one forward"),
+                                   (True, True, "fast kernels, token by token")):
+        print(f"max |logit difference| over {tokens.shape[1]} tokens from torch's kernel token by token, {what}: "
+              f"{(logits(fast, one_by_one) - reference).abs().max().item():.2e}")
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ from rag_speculate import (
 )
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel, best_prefix
-from rag_speculate.cpu_linear import OneDNNLinear
+from rag_speculate.cpu_linear import FastLinear
 from rag_speculate.tree import ROOT
 
 Method = Callable[[list[int], list | None, int], dict]
-BASELINES = ("hf-greedy", "hf-pld", "hf-assisted", "hf-assisted:onednn")  # what the summary divides by
+BASELINES = ("hf-greedy", "hf-greedy:fast", "hf-pld", "hf-assisted", "hf-assisted:fast")  # what the summary divides by
 
 
 @dataclass
@@ -46,12 +46,12 @@ class Item:
     answers: list[str] = field(default_factory=list)
 
 
-def hf_method(engine: SpeculativeEngine, onednn: bool = False, **kwargs) -> Method:
+def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method:
     """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model);
-    `onednn` runs its multi-token forwards' linear layers through oneDNN, as our engine does."""
+    `fast` runs its forwards' linear layers through our engine's CPU kernels (cpu_linear.py)."""
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
-        with OneDNNLinear() if onednn else contextlib.nullcontext():
+        with FastLinear() if fast else contextlib.nullcontext():
             out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
         return {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "forwards": None}
 
@@ -59,11 +59,11 @@ def hf_method(engine: SpeculativeEngine, onednn: bool = False, **kwargs) -> Meth
 
 
 def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], budget: int | None = None,
-                  before: Callable[[], None] | None = None, onednn: bool = True) -> Method:
+                  before: Callable[[], None] | None = None, fast: bool = True) -> Method:
     """Our engine with `drafter` on the same model (and, with the same kernels, the same measured cost curve)."""
     ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name,
-                             onednn_linear=onednn and engine.onednn_linear)
-    if ours.onednn_linear == engine.onednn_linear:
+                             fast_linear=fast and engine.fast_linear)
+    if ours.fast_linear == engine.fast_linear:
         ours.cost_model = engine.cost_model
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
@@ -82,9 +82,9 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
 def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore: Datastore | None = None,
                   draft: tuple | None = None) -> dict[str, Method]:
     """Methods by name: hf-greedy, hf-pld, hf-assisted, trie, rest, trie+rest, ouroboros, ouroboros-warm,
-    combined (every configured source); NAME@B for one of ours with a draft budget of B; NAME:stock
-    for one of ours with torch's own linear kernel, NAME:onednn for one of transformers' with
-    oneDNN's for multi-token forwards (cpu_linear.py; by default ours use it and transformers' not)."""
+    combined (every configured source); NAME@B for one of ours with a draft budget of B (trie@0: our
+    engine decoding plainly); NAME:stock for one of ours with torch's own linear kernel, NAME:fast for
+    one of transformers' with our engine's (cpu_linear.py; by default ours use it and transformers' not)."""
     # One measured cost curve for all of ours, so they differ only in their drafters; a short
     # generation times it (and pays the first call's one-off costs).
     engine.generate([1, 2, 3, 4], max_new_tokens=4)
@@ -92,8 +92,8 @@ def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore:
     for name in names:
         rest, _, kernel = name.partition(":")
         base, _, budget = rest.partition("@")
-        if kernel and kernel != ("onednn" if base.startswith("hf-") else "stock"):
-            raise SystemExit(f"method {name!r}: ':stock' applies to ours, ':onednn' to transformers' methods")
+        if kernel and kernel != ("fast" if base.startswith("hf-") else "stock"):
+            raise SystemExit(f"method {name!r}: ':stock' applies to ours, ':fast' to transformers' methods")
         methods[name] = _method(base, int(budget) if budget else None, engine, datastore, draft, kernel)
     return methods
 
@@ -106,16 +106,16 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
         return value
 
     def ours(drafter, before=None) -> Method:
-        return engine_method(engine, drafter, budget, before, onednn=kernel != "stock")
+        return engine_method(engine, drafter, budget, before, fast=kernel != "stock")
 
     if name.startswith("hf-"):
-        onednn = kernel == "onednn"
+        fast = kernel == "fast"
         if name == "hf-greedy":
-            return hf_method(engine, onednn)
+            return hf_method(engine, fast)
         if name == "hf-pld":
-            return hf_method(engine, onednn, prompt_lookup_num_tokens=10)
+            return hf_method(engine, fast, prompt_lookup_num_tokens=10)
         if name == "hf-assisted":
-            return hf_method(engine, onednn, assistant_model=need("--draft-model", draft)[0])
+            return hf_method(engine, fast, assistant_model=need("--draft-model", draft)[0])
     if name == "trie":
         return ours(NGramTrieDrafter())
     if name == "rest":

@@ -1,71 +1,156 @@
-"""Linear layers of multi-token forwards through oneDNN, on CPUs.
+"""Linear layers of decoding and verification forwards through faster kernels, on CPUs.
 
-Verifying a draft feeds a few tokens at once, and on this project's 2-core AVX2 CPU torch's
-default fp32 matrix product is slow exactly there: for the 1.5B target at 500 tokens of context a
-forward over 9 tokens took 3.7 single-token steps, over 17 tokens 3.6 (docs/benchmarks.md,
-section 1.1). oneDNN's inner product, which torch ships, took 1.9 and 2.4 on the same forwards,
-with the same weights in place (no copy, no repacking, the model untouched).
+Decoding multiplies 1 token's activations by every weight; verifying a draft, 2 to 17 tokens'.
+Both are bound by reading the weights, and on this project's 2-core AMD AVX2 CPU torch's fp32
+kernel (MKL) reads them poorly there: for the 1.5B target at 500 tokens of context, 1 token took
+422 ms and 2 tokens 853 ms (docs/benchmarks.md, section 1.2). Two kernels do better, on the same
+weights in place (no copy, no repacking, the model untouched):
 
-Only products over 2 to 64 rows are rerouted. Single-token steps and prefills keep torch's own
-kernel, so plain decoding stays bit for bit what `model.generate` computes. A multi-token forward
-already differs from token-by-token decoding in the last bits whichever kernel runs it (measured
-on the 1.5B target over 16 tokens: at most 3.1e-5 of the logits with torch's, 3.6e-5 with
-oneDNN's; `benchmarks/forward_cost.py --onednn` prints it), the same rounding every speculative
-decoder's verification has.
+- `kernels/small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed): each
+  weight row is read once and used against up to 16 rows. 1 token 285 ms, 2: 306, 5: 362, 9: 473.
+- oneDNN's inner product, which torch ships, for 17 to 64 rows (and from 2 rows where the kernel
+  above cannot be built): 2 tokens 500 ms, 9: 653, 17: 811.
+
+Prefills (more than 64 rows) keep torch's kernel. Any of these kernels rounds differently from
+torch's in the last bits (on the 1.5B target over 16 tokens: logits at most 3e-5 from
+token-by-token decoding whichever kernel runs), the same rounding every speculative decoder's
+multi-token verification already has; greedy output stays token-identical to `model.generate`
+(the fp32 tests compare exactly, the benchmarks report every output).
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_MIN_ROWS, _MAX_ROWS = 2, 64
+from .files import sibling
+
+_SMALL_MAX_ROWS = 24  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, section 1.2)
+_ONEDNN_MIN_ROWS, _ONEDNN_MAX_ROWS = 2, 64
+_SOURCE = Path(__file__).with_name("kernels") / "small_linear.c"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class OneDNNLinear(TorchFunctionMode):
-    """Within this context, `F.linear` over 2-64 rows of CPU fp32 runs oneDNN's inner product."""
+def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    features = x.shape[-1]
+    rows = x.numel() // features
+    flat = x.reshape(rows, features).contiguous()
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+    small_linear_library()[0].small_linear(
+        flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(), rows, weight.shape[0], features, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The kernel this mode runs `F.linear(x, weight, bias)` with, or None for torch's own."""
+    if not (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.layout == weight.layout == torch.strided
+        and x.shape[-1] > 0
+    ):
+        return None
+    rows = x.numel() // x.shape[-1]
+    if (
+        rows <= _SMALL_MAX_ROWS
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and (bias is None or bias.dtype == torch.float32)
+        and small_linear_library()[0] is not None
+    ):
+        return _small_linear
+    return _onednn_linear if _ONEDNN_MIN_ROWS <= rows <= _ONEDNN_MAX_ROWS else None
+
+
+class FastLinear(TorchFunctionMode):
+    """Within this context, `F.linear` over 1-64 rows of CPU fp32 runs the faster kernels above."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.numel() // max(x.shape[-1], 1)
-            if (
-                _MIN_ROWS <= rows <= _MAX_ROWS
-                and x.device.type == "cpu"
-                and x.dtype == weight.dtype == torch.float32
-                and x.layout == weight.layout == torch.strided
-            ):
-                return _onednn_linear(x, weight, bias)
+            kernel = _kernel_for(x, weight, bias)
+            if kernel is not None:
+                return kernel(x, weight, bias)
         return func(*args, **kwargs)
 
 
-def onednn_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
-    """Whether `model`'s linear layers can run through oneDNN here, and why not.
+@functools.cache
+def small_linear_library() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled small-row kernel, built into the cache on first use; or None and why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the small-row kernel is written for x86-64, this CPU is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"the small-row kernel needs AVX2 and FMA; torch reports {torch.backends.cpu.get_cpu_capability()}"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or $CC) to build the small-row kernel"
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in _FLAGS)])).hexdigest()[:16]
+    from .models import cache_dir  # models imports transformers' loaders; only needed here
 
-    Tried on the model's own first linear layer: the operator may be missing from a torch build,
-    and oneDNN refuses dtypes the CPU cannot compute in.
+    library = cache_dir() / "kernels" / f"small_linear-{digest}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        built = sibling(library, "so")
+        try:
+            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120)
+            os.replace(built, library)  # another process may have built it too: same bytes
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = exc.stderr.decode(errors="replace").strip() if isinstance(exc, subprocess.CalledProcessError) else exc
+            return None, f"building the small-row kernel with {compiler} failed: {detail}"
+        finally:
+            built.unlink(missing_ok=True)
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as exc:
+        return None, f"loading the small-row kernel {library} failed: {exc}"
+    lib.small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.small_linear.restype = None
+    return lib, ""
+
+
+def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
+    """Whether `model`'s linear layers can run through these kernels here, and why not.
+
+    Tried on the model's own first linear layer against torch's product: oneDNN's operator may be
+    missing from a torch build and refuses dtypes the CPU cannot compute in; the small-row kernel
+    may not build (it is then left out, and oneDNN serves from 2 rows).
     """
     linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
     if linear is None:
         return False, "the model has no torch.nn.Linear layers"
     weight = linear.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False, f"oneDNN linear is used for fp32 on CPU only; the model is {weight.dtype} on {weight.device}"
+        return False, f"the fast linear kernels are for fp32 on CPU only; the model is {weight.dtype} on {weight.device}"
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available():
         return False, f"torch {torch.__version__} was built without oneDNN's linear operator"
-    x = torch.linspace(-1, 1, 2 * weight.shape[1]).reshape(2, -1)
-    try:
-        with torch.inference_mode():
-            got, want = _onednn_linear(x, weight, linear.bias), F.linear(x, weight, linear.bias)
-    except RuntimeError as exc:
-        return False, f"oneDNN refused the model's linear layer: {exc}"
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * (want.abs().max().item() + 1)):
-        return False, "oneDNN's linear disagrees with torch's on the model's first linear layer"
+    with torch.inference_mode():
+        for rows in (1, 5, 20):
+            x = torch.linspace(-1, 1, rows * weight.shape[1]).reshape(rows, -1)
+            want = F.linear(x, weight, linear.bias)
+            try:
+                with FastLinear():
+                    got = F.linear(x, weight, linear.bias)
+            except RuntimeError as exc:
+                return False, f"a fast kernel refused the model's linear layer: {exc}"
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * (want.abs().max().item() + 1)):
+                return False, f"a fast kernel disagrees with torch's on the model's first linear layer ({rows} rows)"
     return True, ""

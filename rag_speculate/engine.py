@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .budget import CostModel, best_prefix
-from .cpu_linear import onednn_linear_works
+from .cpu_linear import fast_linear_works
 from .drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
 from .errors import InvalidArgumentError, RagSpeculateError
 from .output import OutputTracker, eos_token_ids
@@ -61,10 +61,11 @@ class SpeculativeEngine:
         *,
         draft_budget: int | None = None,
         name: str | None = None,
-        onednn_linear: bool | None = None,
+        fast_linear: bool | None = None,
     ):
-        """`onednn_linear`: verification forwards' linear layers through oneDNN (cpu_linear.py);
-        None uses it where it works (fp32 on CPU), True requires it, False keeps torch's kernel."""
+        """`fast_linear`: the linear layers of decoding and verification forwards through faster CPU
+        kernels (cpu_linear.py); None uses them where they work (fp32 on CPU), True requires them,
+        False keeps torch's kernel."""
         if draft_budget is not None and draft_budget < 0:
             raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget}")
         self.model = model.eval()
@@ -77,8 +78,8 @@ class SpeculativeEngine:
         self.drafter.attach(tokenizer, self.vocab_size)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.onednn_linear = _use_onednn(model, onednn_linear)
-        self._verifier = Verifier(model, onednn_linear=self.onednn_linear)
+        self.fast_linear = _use_fast_linear(model, fast_linear)
+        self._verifier = Verifier(model, fast_linear=self.fast_linear)
         self.tree_attention, reason = self._verifier.supports_tree_attention()
         if not self.tree_attention:
             warnings.warn(
@@ -318,12 +319,12 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
     raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
 
 
-def _use_onednn(model: PreTrainedModel, wanted: bool | None) -> bool:
+def _use_fast_linear(model: PreTrainedModel, wanted: bool | None) -> bool:
     if wanted is False:
         return False
-    works, reason = onednn_linear_works(model)
+    works, reason = fast_linear_works(model)
     if wanted and not works:
-        raise InvalidArgumentError(f"onednn_linear=True, but {reason}")
+        raise InvalidArgumentError(f"fast_linear=True, but {reason}")
     return works
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .cpu_linear import OneDNNLinear
+from .cpu_linear import FastLinear
 from .sampling import SamplingParams, sample_token
 from .tree import ROOT, DraftTree, tree_attention_mask, tree_position_ids
 
@@ -88,9 +88,9 @@ def sliding_window(cache: DynamicCache) -> int | None:
 class Verifier:
     """Runs prefill and verification forwards of one model, in tree or chain mode."""
 
-    def __init__(self, model: PreTrainedModel, *, onednn_linear: bool = False):
+    def __init__(self, model: PreTrainedModel, *, fast_linear: bool = False):
         self.model = model
-        self.onednn_linear = onednn_linear
+        self.fast_linear = fast_linear
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -99,7 +99,8 @@ class Verifier:
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
         """Logits after the last input token (only that row: a full RAG prompt's logits would take GBs)."""
         ids = torch.tensor([input_ids], device=self.device)
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(1)).logits[0, -1]
+        with self._kernels():
+            return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(1)).logits[0, -1]
 
     def _last_rows(self, rows: int | None) -> dict:
         # Logits of rows nobody reads cost a vocabulary-sized product each (151k x 896 for a 0.5B Qwen).
@@ -113,7 +114,7 @@ class Verifier:
         """
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        with self._kernels(len(tree) + 1):
+        with self._kernels():
             out = self.model(
                 input_ids=ids,
                 attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
@@ -128,13 +129,12 @@ class Verifier:
     def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree, last_rows: int | None = None) -> torch.Tensor:
         """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        with self._kernels(len(tree) + 1):
+        with self._kernels():
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(last_rows)).logits[0]
         return logits[-last_rows:] if last_rows else logits
 
-    def _kernels(self, tokens: int) -> contextlib.AbstractContextManager:
-        # A single token keeps torch's own kernel, and skips the mode's per-op dispatch.
-        return OneDNNLinear() if self.onednn_linear and tokens > 1 else contextlib.nullcontext()
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        return FastLinear() if self.fast_linear else contextlib.nullcontext()
 
     @torch.inference_mode()
     def step(

@@ -1,4 +1,4 @@
-"""oneDNN for the linear layers of multi-token forwards: same products within rounding, used only there."""
+"""Faster CPU kernels for the linear layers of decoding and verification: same products within rounding."""
 
 from __future__ import annotations
 
@@ -6,61 +6,113 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import hf_greedy, tiny_model
-from torch.profiler import ProfilerActivity, profile
 
-from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine
+from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine, cpu_linear
 from rag_speculate.budget import CostModel
-from rag_speculate.cpu_linear import OneDNNLinear, onednn_linear_works
+from rag_speculate.cpu_linear import FastLinear, fast_linear_works, small_linear_library
 
-ONEDNN_OP = "mkldnn::_linear_pointwise"
+needs_small_kernel = pytest.mark.skipif(
+    small_linear_library()[0] is None, reason=f"small-row kernel unavailable: {small_linear_library()[1]}"
+)
 
 
-def test_multi_token_products_agree_and_other_shapes_keep_torchs_kernel():
+def _count_kernels(monkeypatch) -> dict[str, int]:
+    """Count the rows each kernel serves (the real kernels still run)."""
+    served = {"small": 0, "onednn": 0}
+    for name, attr in (("small", "_small_linear"), ("onednn", "_onednn_linear")):
+        kernel = getattr(cpu_linear, attr)
+
+        def counted(x, weight, bias, kernel=kernel, name=name):
+            served[name] += x.numel() // x.shape[-1]
+            return kernel(x, weight, bias)
+
+        monkeypatch.setattr(cpu_linear, attr, counted)
+    return served
+
+
+@needs_small_kernel
+@pytest.mark.parametrize("features", [24, 19])  # a multiple of the kernel's 8 lanes, and a remainder
+def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features):
+    served = _count_kernels(monkeypatch)
     torch.manual_seed(0)
-    weight, bias = torch.randn(40, 24), torch.randn(40)
-    for rows in (1, 2, 9, 64, 65, 300):
-        x = torch.randn(1, rows, 24)
-        want = F.linear(x, weight, bias)
-        with OneDNNLinear():
+    weight, bias = torch.randn(41, features), torch.randn(41)  # an odd number of outputs too
+    for rows, kernel in ((1, "small"), (2, "small"), (7, "small"), (24, "small"), (25, "onednn"), (64, "onednn"), (65, None), (300, None)):
+        x = torch.randn(1, rows, features)
+        want, want_no_bias = F.linear(x, weight, bias), F.linear(x, weight)
+        before = dict(served)
+        with FastLinear():
             got = F.linear(x, weight, bias)
             no_bias = F.linear(x, weight)
+            strided = F.linear(x.transpose(1, 2).contiguous().transpose(1, 2), weight, bias)  # not contiguous
         assert got.shape == want.shape
-        torch.testing.assert_close(no_bias, F.linear(x, weight), rtol=1e-5, atol=1e-5)
-        if rows in (1, 65, 300):
-            assert torch.equal(got, want), rows  # single steps and prefills: torch's own kernel, bit for bit
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(no_bias, want_no_bias, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(strided, want, rtol=1e-5, atol=1e-5)
+        changed = {name for name in served if served[name] != before[name]}
+        assert changed == ({kernel} if kernel else set()), rows
+        if kernel is None:
+            assert torch.equal(got, want)  # prefills: torch's own kernel, bit for bit
+    x = torch.randn(4, features, dtype=torch.bfloat16)
+    with FastLinear():
+        assert torch.equal(F.linear(x, weight.bfloat16()), F.linear(x, weight.bfloat16()))
+
+
+def test_without_the_small_kernel_onednn_serves_from_two_rows(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "small_linear_library", lambda: (None, "no compiler"))
+    served = _count_kernels(monkeypatch)
+    weight = torch.randn(40, 24)
+    for rows in (1, 2, 16):
+        x = torch.randn(rows, 24)
+        with FastLinear():
+            got = F.linear(x, weight)
+        if rows == 1:
+            assert torch.equal(got, F.linear(x, weight))
         else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    x = torch.randn(4, 24, dtype=torch.bfloat16)
-    want = F.linear(x, weight.bfloat16())
-    with OneDNNLinear():
-        assert torch.equal(F.linear(x, weight.bfloat16()), want)  # not fp32: torch's kernel
+            torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert served == {"small": 0, "onednn": 18}
 
 
-def _ops_run(engine: SpeculativeEngine, ids: list[int], reference: list[int]) -> set[str]:
+def test_a_kernel_that_cannot_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    small_linear_library.cache_clear()
+    try:
+        library, reason = small_linear_library()
+        assert library is None
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            assert "building the small-row kernel with /bin/false failed" in reason
+        assert not list(tmp_path.glob("kernels/*"))  # nothing half-built left behind
+    finally:
+        small_linear_library.cache_clear()
+
+
+def _served_by_engine(engine: SpeculativeEngine, ids: list[int], reference: list[int], monkeypatch) -> dict[str, int]:
+    served = _count_kernels(monkeypatch)
     engine.cost_model = CostModel({1: 1.0, 65: 1.0}, learn=False)  # drafting always pays: multi-token forwards
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        result = engine.generate(ids, documents=[reference], max_new_tokens=len(reference))
+    result = engine.generate(ids, documents=[reference], max_new_tokens=len(reference))
     assert result.token_ids == reference
     assert result.stats.tokens_per_forward > 2  # verification forwards fed several tokens
-    return {event.name for event in prof.events()}
+    monkeypatch.undo()
+    return served
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_verification_runs_onednn_only_when_enabled_and_stays_lossless(arch, tokenizer):
+def test_engine_runs_fast_kernels_only_when_enabled_and_stays_lossless(arch, tokenizer, monkeypatch):
     model = tiny_model(arch)
     ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
     reference = hf_greedy(model, ids, 40)
     default = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert default.onednn_linear  # fp32 on CPU: on by default
-    assert ONEDNN_OP in _ops_run(default, ids, reference)
-    stock = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), onednn_linear=False)
-    assert ONEDNN_OP not in _ops_run(stock, ids, reference)
+    assert default.fast_linear  # fp32 on CPU: on by default
+    served = _served_by_engine(default, ids, reference, monkeypatch)
+    assert served["small" if small_linear_library()[0] is not None else "onednn"] > 0
+    stock = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), fast_linear=False)
+    assert _served_by_engine(stock, ids, reference, monkeypatch) == {"small": 0, "onednn": 0}
 
 
-def test_models_oneDNN_cannot_serve_are_named(tokenizer):
+def test_models_the_fast_kernels_cannot_serve_are_named(tokenizer):
     model = tiny_model("qwen2").to(torch.bfloat16)
-    works, reason = onednn_linear_works(model)
+    works, reason = fast_linear_works(model)
     assert not works and "bfloat16" in reason
-    assert not SpeculativeEngine(model, tokenizer).onednn_linear
-    with pytest.raises(InvalidArgumentError, match="onednn_linear=True.*bfloat16"):
-        SpeculativeEngine(model, tokenizer, onednn_linear=True)
+    assert not SpeculativeEngine(model, tokenizer).fast_linear
+    with pytest.raises(InvalidArgumentError, match="fast_linear=True.*bfloat16"):
+        SpeculativeEngine(model, tokenizer, fast_linear=True)

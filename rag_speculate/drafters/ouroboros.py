@@ -64,6 +64,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..budget import AgreementRate, CostModel, agreement_trials, best_prefix
+from ..cpu_linear import fast_linear_works
 from ..datastore import tokenizer_fingerprint
 from ..errors import InvalidArgumentError
 from ..output import eos_token_ids
@@ -131,7 +132,7 @@ class OuroborosDrafter(Drafter):
         # whether the draft model pays for itself.
         self.last_propose_s = 0.0
         self.draft_forwards = 0
-        self._verifier = Verifier(draft_model)
+        self._verifier = Verifier(draft_model, fast_linear=fast_linear_works(draft_model)[0])
         self._tree_attention = True
         self._draft_vocab = draft_model.get_input_embeddings().num_embeddings
         # Ids both models embed: the only ones proposed or fed as pool phrases (set by `attach`).
