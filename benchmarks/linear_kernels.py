@@ -1,0 +1,69 @@
+"""Milliseconds per pass of a few-row fp32 product over several weight matrices, by kernel.
+
+Decoding and verification multiply 1-17 rows by every weight of the model; this times the
+kernels `rag_speculate.cpu_linear` chooses between on matrices of one layer's shape (by default
+six of the 1.5B Qwen's MLP, 330 MB, more than the caches hold), rows interleaved so machine noise
+hits every kernel alike. Prints a markdown table.
+
+    python3 benchmarks/linear_kernels.py --rows 1 2 5 9 16 24 33
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rag_speculate import cpu_linear
+
+
+def kernels() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    found = {
+        "torch": lambda x, w: F.linear(x, w),
+        "oneDNN": lambda x, w: cpu_linear._onednn_linear(x, w, None),
+    }
+    if cpu_linear.small_linear_library()[0] is not None:
+        found["small_linear.c"] = lambda x, w: cpu_linear._small_linear(x, w, None)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 9, 16, 24, 33])
+    parser.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], help="out and in features")
+    parser.add_argument("--matrices", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=9, help="timed passes per kernel and row count (median)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = [torch.randn(*args.shape) for _ in range(args.matrices)]
+    by_kernel = kernels()
+    if "small_linear.c" not in by_kernel:
+        print(f"(small-row kernel unavailable: {cpu_linear.small_linear_library()[1]})")
+    times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in by_kernel for r in args.rows}
+    with torch.inference_mode():
+        inputs = {r: torch.randn(r, args.shape[1]) for r in args.rows}
+        for _ in range(args.repeats + 1):  # the first round warms up and is dropped
+            for r, x in inputs.items():
+                for name, kernel in by_kernel.items():
+                    started = time.perf_counter()
+                    for w in weights:
+                        kernel(x, w)
+                    times[name, r].append(time.perf_counter() - started)
+    megabytes = args.matrices * args.shape[0] * args.shape[1] * 4 / 1e6
+    print(f"\n{args.matrices} matrices of {args.shape[0]} x {args.shape[1]} fp32 ({megabytes:.0f} MB), "
+          f"{args.threads} threads, ms per pass, median of {args.repeats}\n")
+    print("| rows | " + " | ".join(by_kernel) + " |")
+    print("|---:|" + "---:|" * len(by_kernel))
+    for r in args.rows:
+        cells = [f"{statistics.median(times[k, r][1:]) * 1000:.1f}" for k in by_kernel]
+        print(f"| {r} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
