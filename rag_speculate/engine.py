@@ -33,8 +33,9 @@ Document = str | Sequence[int]
 
 # The most draft nodes one forward may verify; each step verifies only the best-first prefix of
 # the draft that pays for its measured cost (budget.py). On the 2-core AVX2 CPU this project is
-# measured on, a forward over 17 tokens costs 2.4x one over 1 in fp32 (with oneDNN's linear,
-# cpu_linear.py) and 10x in bf16 (docs/benchmarks.md), so more than 16 rarely pays.
+# measured on, a forward over 17 tokens costs 3.4x one over 1 in fp32 (through the fast linear
+# kernels of cpu_linear.py, whose single step is 1.5x cheaper than torch's) and 10x in bf16
+# (docs/benchmarks.md), so more than 16 rarely pays.
 DEFAULT_DRAFT_BUDGET = 16
 _DOCUMENT_CACHE_SIZE = 1024
 

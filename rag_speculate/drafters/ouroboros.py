@@ -42,11 +42,12 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
 
 Measured for the defaults (2 threads, this project's 2-core AVX2 machine, 500 tokens of context;
 `benchmarks/forward_cost.py --context 500`, docs/benchmarks.md section 1): one forward of the
-1.5b target in fp32 costs 345 ms at q=1, 1.9x at 9, 2.4x at 17 (with oneDNN's linear, as the
-engine verifies; 3.7x and 3.6x with torch's own). The 0.5b draft costs 120 ms in
-fp32 (2.1x at 2, 2.4x at 8, 2.7x at 16), a third of a target step, which leaves a draft model
-roughly breaking even on this CPU; with its linear layers in int8 (`loading.int8_draft_model`)
-it costs an eighth, and pays where it predicts the target (docs/benchmarks.md section 4).
+1.5b target in fp32 costs 345 ms at q=1 with torch's kernel, 240 ms through the engine's fast
+linear kernels (2.0x that at 9, 3.4x at 17; section 1.2). The 0.5b draft costs 120 ms in fp32
+with torch's kernel (2.1x at 2, 2.4x at 8, 2.7x at 16), which leaves a draft model roughly
+breaking even on this CPU; with its linear layers in int8 (`loading.int8_draft_model`) it costs
+45-65 ms, a quarter of a fast target step, and pays where it predicts the target (docs/benchmarks.md
+section 4: math and rag, not translation).
 
 Hence `draft_tree_budget=16` (a 16-node tree costs 2.4 single-token target forwards in fp32,
 and the curve steepens beyond) and the cost-derived score floor (0.35-0.4 in fp32, about 0.12 in int8).
