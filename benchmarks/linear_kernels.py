@@ -21,13 +21,18 @@ import torch.nn.functional as F
 from rag_speculate import cpu_linear
 
 
-def kernels() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+def kernels(weights: list[torch.Tensor], rows: list[int]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """Kernels by name, each called with the input and the index of its weight."""
+    # MKL with the weights packed once per row count (a copy of every weight): measured to show
+    # that packing ahead does not rescue MKL at these sizes; not a kernel the engine uses.
+    packed = {r: [torch.ops.mkl._mkl_reorder_linear_weight(w, r) for w in weights] for r in rows}
     found = {
-        "torch": lambda x, w: F.linear(x, w),
-        "oneDNN": lambda x, w: cpu_linear._onednn_linear(x, w, None),
+        "torch": lambda x, i: F.linear(x, weights[i]),
+        "MKL prepacked": lambda x, i: torch.ops.mkl._mkl_linear(x, packed[x.shape[0]][i], weights[i], None, x.shape[0]),
+        "oneDNN": lambda x, i: cpu_linear._onednn_linear(x, weights[i], None),
     }
     if cpu_linear.small_linear_library()[0] is not None:
-        found["small_linear.c"] = lambda x, w: cpu_linear._small_linear(x, w, None)
+        found["small_linear.c"] = lambda x, i: cpu_linear._small_linear(x, weights[i], None)
     return found
 
 
@@ -42,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(*args.shape) for _ in range(args.matrices)]
-    by_kernel = kernels()
+    by_kernel = kernels(weights, args.rows)
     if "small_linear.c" not in by_kernel:
         print(f"(small-row kernel unavailable: {cpu_linear.small_linear_library()[1]})")
     times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in by_kernel for r in args.rows}
@@ -52,8 +57,8 @@ def main() -> None:
             for r, x in inputs.items():
                 for name, kernel in by_kernel.items():
                     started = time.perf_counter()
-                    for w in weights:
-                        kernel(x, w)
+                    for i in range(len(weights)):
+                        kernel(x, i)
                     times[name, r].append(time.perf_counter() - started)
     megabytes = args.matrices * args.shape[0] * args.shape[1] * 4 / 1e6
     print(f"\n{args.matrices} matrices of {args.shape[0]} x {args.shape[1]} fp32 ({megabytes:.0f} MB), "

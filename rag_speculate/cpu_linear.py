@@ -3,13 +3,13 @@
 Decoding multiplies 1 token's activations by every weight; verifying a draft, 2 to 17 tokens'.
 Both are bound by reading the weights, and on this project's 2-core AMD AVX2 CPU torch's fp32
 kernel (MKL) reads them poorly there: for the 1.5B target at 500 tokens of context, 1 token took
-422 ms and 2 tokens 853 ms (docs/benchmarks.md, section 1.2). Two kernels do better, on the same
+363 ms and 2 tokens 801 ms (docs/benchmarks.md, section 1.2). Two kernels do better, on the same
 weights in place (no copy, no repacking, the model untouched):
 
 - `kernels/small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed): each
-  weight row is read once and used against up to 16 rows. 1 token 285 ms, 2: 306, 5: 362, 9: 473.
-- oneDNN's inner product, which torch ships, for 17 to 64 rows (and from 2 rows where the kernel
-  above cannot be built): 2 tokens 500 ms, 9: 653, 17: 811.
+  weight row is read once and used against up to 24 rows. 1 token 240 ms, 2: 288, 5: 339, 9: 470.
+- oneDNN's inner product, which torch ships, for 25 to 64 rows (and from 2 rows where the kernel
+  above cannot be built; section 1.1: 2 tokens 500 ms, 9: 653, 17: 811).
 
 Prefills (more than 64 rows) keep torch's kernel. Any of these kernels rounds differently from
 torch's in the last bits (on the 1.5B target over 16 tokens: logits at most 3e-5 from
