@@ -202,6 +202,17 @@ def test_rejected_retrieval_drafts_are_trusted_less_until_verified_again():
     assert later["junk"] == pytest.approx(after["junk"]) and later["model"] == pytest.approx(after["model"])
 
 
+def test_calibrated_estimates_settle_at_the_acceptance_rate():
+    half = FixedDrafter("half", DraftTree([5], [-1], ["half"], [0.8]))
+    combined = CombinedDrafter([half], skip_unpaid=False)
+    for step in range(60):
+        tree = combined.propose([1], budget=4)
+        combined.observe(accepting(tree, [5 if step % 2 else 7, 0]))  # its token is accepted every other step
+    estimate = combined.propose([1], budget=4).scores[0]
+    # Counted against its rescaled estimates instead, the rescaling undid itself and settled near 0.63.
+    assert estimate == pytest.approx(0.5, abs=0.06)
+
+
 def accepting(tree: DraftTree, says: list[int]) -> Verification:
     """The verification by a target whose choices along the way are `says`."""
     children, node, path = tree.children(), -1, []

@@ -6,12 +6,12 @@ tree). Each drafter then sees the verification of its own nodes only, as if it h
 so the rates it learns stay its own.
 
 Estimates are only as good as each drafter's calibration, and drafting time is not free: a
-drafter that runs a model can cost a third of a target forward per proposal on a CPU. So the
-combined drafter keeps, per drafter and across generations, how its estimates compare with what
-was accepted (and rescales them; that evidence fades only when its nodes are verified again, so a
-retrieval drafter whose drafts a translation rejects stays distrusted), and how many tokens per second the steps yield with it against
-without it (the tokens the other drafters' trees would have covered, over the time without its
-drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
+drafter that runs a model can cost a quarter of a target forward per proposal on a CPU. So the
+combined drafter keeps, per drafter and across generations, how its own estimates (before any
+rescaling) compare with what was accepted (and rescales them; that evidence fades only when its
+nodes are verified again, so a retrieval drafter whose drafts a translation rejects stays
+distrusted), and how many tokens per second the steps yield with it against without it (the
+tokens the other drafters' trees would have covered, over the time without its drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
 rejected draft is no verdict: a draft model that helps at 0.4 tokens per step often misses its
 first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
 that paces itself (`Drafter.paces_itself`: Ouroboros pauses for 1, 2, 4, ... proposals after a
@@ -60,7 +60,8 @@ Path = tuple[int, ...]
 class _Proposal(NamedTuple):
     tree: DraftTree
     paths: list[Path]
-    estimates: list[float]  # its scores rescaled by its drafter's calibration when it proposed
+    scores: list[float]  # its drafter's own estimates, what its calibration is counted against
+    estimates: list[float]  # the scores rescaled by its drafter's calibration when it proposed
 
 
 class _Ledger:
@@ -147,7 +148,9 @@ class CombinedDrafter(Drafter):
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
             ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples)
-            self._proposals[drafter.name] = _Proposal(tree, _paths(tree), _estimates(tree, ledger.calibration))
+            scores = _scores(tree)
+            estimates = [min(1.0, score * ledger.calibration) for score in scores]
+            self._proposals[drafter.name] = _Proposal(tree, _paths(tree), scores, estimates)
         merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
@@ -184,7 +187,7 @@ class CombinedDrafter(Drafter):
     def _merge(self, budget: int) -> DraftTree:
         """The `budget` best nodes of all proposals, equal paths merged, best first."""
         best: dict[Path, tuple[float, str]] = {}
-        for name, (tree, paths, estimates) in self._proposals.items():
+        for name, (tree, paths, _, estimates) in self._proposals.items():
             for i, (path, score) in enumerate(zip(paths, estimates)):
                 if path not in best or score > best[path][0]:
                     best[path] = (score, tree.source(i) or name)
@@ -213,14 +216,16 @@ class CombinedDrafter(Drafter):
         verified = {path: i for i, path in enumerate(_paths(verification.tree))}
         accepted = tuple(verification.accepted_tokens[:-1])
         coverage = {name: _covered(accepted, set(p.paths)) for name, p in self._proposals.items()}
-        for name, (tree, paths, estimates) in self._proposals.items():
+        for name, (tree, paths, scores, _) in self._proposals.items():
             ledger = self._ledgers[name]
             projected, kept = _project(verification, tree, paths, verified, accepted)
             # Evidence fades per verification of the drafter's nodes, not per step: steps where none
             # of them was verified say nothing of its estimates, and fading on them let a drafter
             # whose drafts were just rejected back to a neutral calibration within ten steps.
+            # Counted against the drafter's own scores: against the rescaled ones, a calibration
+            # that got them right would drift back to 1 and undo itself.
             if kept and tree.scores:
-                ledger.expected = _MEMORY * ledger.expected + sum(estimates[i] for i in kept)
+                ledger.expected = _MEMORY * ledger.expected + sum(scores[i] for i in kept)
                 ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
             without = max((c for other, c in coverage.items() if other != name), default=0)
             ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
@@ -259,9 +264,9 @@ def _project(verification: Verification, tree: DraftTree, paths: list[Path], ver
     return Verification(sub, on_path, emitted, target_tokens), kept
 
 
-def _estimates(tree: DraftTree, calibration: float) -> list[float]:
-    """A proposal's node scores, rescaled by its drafter's calibration."""
-    return [min(1.0, (tree.scores[i] if tree.scores else 0.5) * calibration) for i in range(len(tree))]
+def _scores(tree: DraftTree) -> list[float]:
+    """A proposal's node scores as its drafter gave them (0.5 where it gave none)."""
+    return [min(1.0, tree.scores[i]) if tree.scores else 0.5 for i in range(len(tree))]
 
 
 def _paths(tree: DraftTree) -> list[Path]:
