@@ -10,6 +10,8 @@ work for every method and speculation cannot touch it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import re
 import statistics
 import sys
 import time
@@ -80,16 +82,22 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
 
 
 def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore: Datastore | None = None,
-                  draft: tuple | None = None) -> dict[str, Method]:
+                  draft: tuple | None = None, variants: dict[str, Path] | None = None) -> dict[str, Method]:
     """Methods by name: hf-greedy, hf-pld, hf-assisted, trie, rest, trie+rest, ouroboros, ouroboros-warm,
     combined (every configured source); NAME@B for one of ours with a draft budget of B (trie@0: our
     engine decoding plainly); NAME:stock for one of ours with torch's own linear kernel, NAME:fast for
-    one of transformers' with our engine's (cpu_linear.py; by default ours use it and transformers' not)."""
+    one of transformers' with our engine's (cpu_linear.py; by default ours use it and transformers' not).
+    `variants` maps further names to other versions of drafters/combined.py, each run as `combined`
+    with that file's CombinedDrafter: an A/B of a change against the installed one, in one process."""
     # One measured cost curve for all of ours, so they differ only in their drafters; a short
     # generation times it (and pays the first call's one-off costs).
     engine.generate([1, 2, 3, 4], max_new_tokens=4)
     methods = {}
+    variants = variants or {}
     for name in names:
+        if name in variants:
+            methods[name] = _method("combined", None, engine, datastore, draft, "", _combined_drafter(name, variants[name]))
+            continue
         rest, _, kernel = name.partition(":")
         base, _, budget = rest.partition("@")
         if kernel and kernel != ("fast" if base.startswith("hf-") else "stock"):
@@ -98,8 +106,20 @@ def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore:
     return methods
 
 
+def _combined_drafter(name: str, path: Path) -> type[Drafter]:
+    """The CombinedDrafter class of another version of drafters/combined.py, loaded beside the installed one."""
+    # Inside rag_speculate.drafters, so the file's relative imports resolve as in the package.
+    spec = importlib.util.spec_from_file_location("rag_speculate.drafters.variant_" + re.sub(r"\W", "_", name), path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"method {name!r}: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.CombinedDrafter
+
+
 def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore: Datastore | None, draft: tuple | None,
-            kernel: str) -> Method:
+            kernel: str, combined: Callable[[list[Drafter]], Drafter] | None = None) -> Method:
     def need(what, value):
         if value is None:
             raise SystemExit(f"method {name} needs {what}")
@@ -134,7 +154,8 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
 
         if name != "combined":
             return ours(ouroboros, before=cold if name == "ouroboros" else None)
-        return ours([NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros])
+        drafters = [NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros]
+        return ours(combined(drafters) if combined else drafters)
     raise SystemExit(f"unknown method {name!r}")
 
 

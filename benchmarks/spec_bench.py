@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench"))
     parser.add_argument("--from-json", type=Path, help="only re-render the table and plot of an earlier run")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                        help="method NAME: `combined` with the CombinedDrafter of FILE, another version of drafters/combined.py (an A/B)")
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
     if args.from_json:
@@ -80,7 +82,11 @@ def main() -> None:
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     if draft and args.draft_int8:
         draft = (int8_draft_model(draft[0]), draft[1])
-    methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft)
+    if any("=" not in v for v in args.variant):
+        raise SystemExit(f"--variant takes NAME=FILE, got {args.variant}")
+    variants = dict(v.split("=", 1) for v in args.variant)
+    methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft,
+                            variants={name: Path(file) for name, file in variants.items()})
     items = load_items(engine, args.data, args.categories.split(","), args.n)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs
     runs = measure(items, methods, args.max_new_tokens, engine.tokenizer)
