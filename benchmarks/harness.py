@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import re
 import statistics
 import sys
@@ -181,7 +182,8 @@ def measure(items: list[Item], methods: dict[str, Method], max_new_tokens: int, 
     return runs
 
 
-def summarize(runs: list[dict], methods: list[str]) -> dict:
+def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES) -> dict:
+    """Per category and method: speeds, and the mean and median of per-item decode speed ratios to each of `bases`."""
     by = defaultdict(dict)
     for r in runs:
         by[(r["category"], r["item"])][r["method"]] = r
@@ -208,19 +210,33 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
                 row[method]["accepted_by_source"] = dict(accepted)
             if "answer_found" in rs[0]:
                 row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
-            for base in BASELINES:
+            for base in bases:
                 if base in methods and method != base:
                     ratios = [m[base]["decode_s"] / m[method]["decode_s"] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in items]
                     row[method][f"decode_speedup_vs_{base}_mean"] = statistics.mean(ratios)
                     row[method][f"decode_speedup_vs_{base}_median"] = statistics.median(ratios)
+                    row[method][f"decode_speedup_vs_{base}_ci95"] = _ci95(ratios)
         summary[category] = {"items": len(items), "methods": row}
     return summary
 
 
-def markdown(summary: dict, methods: list[str]) -> str:
-    bases = [b for b in BASELINES if b in methods]
+def _ci95(values: list[float]) -> float | None:
+    """Half-width of the 95% confidence interval of the mean, items taken as independent samples (Student's t).
+
+    Run-to-run noise on this machine is 5-15% per item, so a mean over four items can differ from
+    another method's by that much with nothing changed; the interval says how far to trust a gap.
+    """
+    if len(values) < 2:
+        return None
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)))
+
+
+def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES) -> str:
+    bases = [b for b in bases if b in methods]
     lines = [
-        "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean / median)" for b in bases)
+        "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean ± 95% CI / median)" for b in bases)
         + " | tokens/forward | drafting / decode | accepted by source | identical to greedy | answer found |",
         "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|",
     ]
@@ -241,7 +257,9 @@ def _ratio(method_summary: dict, base: str) -> str:
     key = f"decode_speedup_vs_{base}"
     if key + "_mean" not in method_summary:
         return "-"
-    return f"{method_summary[key + '_mean']:.2f} / {method_summary[key + '_median']:.2f}"
+    ci = method_summary.get(key + "_ci95")
+    spread = f" ± {ci:.2f}" if ci is not None else ""
+    return f"{method_summary[key + '_mean']:.2f}{spread} / {method_summary[key + '_median']:.2f}"
 
 
 def plot(summary: dict, methods: list[str], path: Path, title: str) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from harness import Item, build_methods, markdown, measure, plot, summarize
+from harness import BASELINES, Item, build_methods, markdown, measure, plot, summarize
 
 from rag_speculate import Datastore, SpeculativeEngine
 from rag_speculate.loading import int8_draft_model, load_model
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench"))
     parser.add_argument("--from-json", type=Path, help="only re-render the table and plot of an earlier run")
+    parser.add_argument("--bases", default=",".join(BASELINES),
+                        help="methods the table divides by, where run (with --from-json e.g. `trie,ouroboros` to compare ours)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                         help="method NAME: `combined` with the CombinedDrafter of FILE, another version of drafters/combined.py (an A/B)")
     args = parser.parse_args()
@@ -71,9 +74,10 @@ def main() -> None:
     if args.from_json:
         runs = json.loads(args.from_json.read_text())["runs"]
         methods = list(dict.fromkeys(r["method"] for r in runs))
-        summary = summarize(runs, methods)
+        bases = args.bases.split(",")
+        summary = summarize(runs, methods, bases)
         plot(summary, methods, args.from_json.with_suffix(".png"), title)
-        print(markdown(summary, methods))
+        print(markdown(summary, methods, bases))
         return
 
     torch.set_num_threads(args.threads)
@@ -90,12 +94,13 @@ def main() -> None:
     items = load_items(engine, args.data, args.categories.split(","), args.n)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs
     runs = measure(items, methods, args.max_new_tokens, engine.tokenizer)
-    write(args, engine, runs, list(methods), title)
+    write(args, engine, runs, list(methods), title, bases=args.bases.split(","))
 
 
-def write(args: argparse.Namespace, engine: SpeculativeEngine, runs: list[dict], methods: list[str], title: str, extra: dict | None = None) -> None:
-    summary = summarize(runs, methods)
-    table = markdown(summary, methods)
+def write(args: argparse.Namespace, engine: SpeculativeEngine, runs: list[dict], methods: list[str], title: str,
+          extra: dict | None = None, bases: Sequence[str] = BASELINES) -> None:
+    summary = summarize(runs, methods, bases)
+    table = markdown(summary, methods, bases)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(args).items()} | {"draft_budget": engine.draft_budget, "torch": torch.__version__}
     args.out.with_suffix(".json").write_text(json.dumps({"config": config, "summary": summary, "runs": runs, **(extra or {})}, indent=1))
