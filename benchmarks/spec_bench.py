@@ -88,9 +88,9 @@ def main() -> None:
         draft = (int8_draft_model(draft[0]), draft[1])
     if any("=" not in v for v in args.variant):
         raise SystemExit(f"--variant takes NAME=FILE, got {args.variant}")
-    variants = dict(v.split("=", 1) for v in args.variant)
+    variants = {name: Path(file) for name, file in (v.split("=", 1) for v in args.variant)}
     methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft,
-                            variants={name: Path(file) for name, file in variants.items()})
+                            variants=variants)
     items = load_items(engine, args.data, args.categories.split(","), args.n)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs
     runs = measure(items, methods, args.max_new_tokens, engine.tokenizer)

@@ -11,9 +11,10 @@ combined drafter keeps, per drafter and across generations, how its own estimate
 rescaling) compare with what was accepted (and rescales them; that evidence fades only when its
 nodes are verified again, so a retrieval drafter whose drafts a translation rejects stays
 distrusted), and how many tokens per second the steps yield with it against without it (the
-tokens the other drafters' trees would have covered, over the time without its drafting). Each generation judges a drafter afresh, once it has drafted in a few steps (one
-rejected draft is no verdict: a draft model that helps at 0.4 tokens per step often misses its
-first); one that does not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
+tokens the other drafters' trees would have covered, over the time without its drafting). Each
+generation judges a drafter afresh, once it has drafted in a few steps (one rejected draft is no
+verdict: a draft model that helps at 0.4 tokens per step often misses its first); one that does
+not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
 that paces itself (`Drafter.paces_itself`: Ouroboros pauses for 1, 2, 4, ... proposals after a
 rejected draft and is back after any accepted token) is not judged so: averages over a
 translation miss the short stretches where the draft model predicts it. It is still retried on
