@@ -4,7 +4,9 @@ A method turns (prompt ids, drafting documents, max new tokens) into a run: the 
 wall-clock time, the decode-only time and, for ours, the target forwards. For every item the
 methods run back to back in a rotating order, so machine noise hits all of them alike. Decode-only
 speed counts the tokens after the first over the time after the first token: prefill is the same
-work for every method and speculation cannot touch it.
+work for every method and speculation cannot touch it. Runs also count their forwards by size, so
+decode time can be modeled from cost curves pinned at the start (`modeled_decode_s`): wall-clock
+ratios show what a user gets, modeled ratios compare drafting policies without the machine's noise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +29,17 @@ from rag_speculate import (
     DraftContext,
     Drafter,
     NGramTrieDrafter,
+    OuroborosDrafter,
+    PhrasePool,
     RESTDrafter,
     SpeculativeEngine,
     Verification,
 )
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel, best_prefix
-from rag_speculate.cpu_linear import FastLinear
+from rag_speculate.cpu_linear import FastLinear, fast_linear_works
 from rag_speculate.tree import ROOT
+from rag_speculate.verify import Verifier
 
 Method = Callable[[list[int], list | None, int], dict]
 BASELINES = ("hf-greedy", "hf-greedy:fast", "hf-pld", "hf-assisted", "hf-assisted:fast")  # what the summary divides by
@@ -69,15 +74,20 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
     if ours.fast_linear == engine.fast_linear:
         ours.cost_model = engine.cost_model
 
+    draft_models = [d for d in getattr(ours.drafter, "drafters", [ours.drafter]) if isinstance(d, OuroborosDrafter)]
+
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         if before:
             before()
+        drafted_before = [Counter(d.draft_forward_sizes) for d in draft_models]
         started = time.perf_counter()
         result = ours.generate(ids, documents=documents, max_new_tokens=max_new_tokens)
         s = result.stats
+        draft_sizes = sum((d.draft_forward_sizes - b for d, b in zip(draft_models, drafted_before)), Counter())
         return {"tokens": result.token_ids, "total_s": time.perf_counter() - started, "decode_s": s.decode_s,
                 "forwards": s.target_forwards, "drafting_s": s.drafting_s, "draft_setup_s": s.draft_setup_s,
-                "accepted": dict(s.accepted_tokens)}
+                "accepted": dict(s.accepted_tokens), "forward_sizes": dict(s.forward_sizes),
+                "draft_forward_sizes": dict(draft_sizes)}
 
     return run
 
@@ -144,8 +154,6 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
     if name == "trie+rest":
         return ours([NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))])
     if name in ("ouroboros", "ouroboros-warm", "combined"):
-        from rag_speculate import OuroborosDrafter, PhrasePool
-
         ouroboros = OuroborosDrafter(*need("--draft-model", draft))
 
         def cold() -> None:
@@ -182,8 +190,48 @@ def measure(items: list[Item], methods: dict[str, Method], max_new_tokens: int, 
     return runs
 
 
-def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES) -> dict:
-    """Per category and method: speeds, and the mean and median of per-item decode speed ratios to each of `bases`."""
+def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 3) -> dict[str, dict[int, float]]:
+    """Seconds per forward by tokens fed, of the target (through the engine's kernels) and of the draft
+    model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
+
+    def curve(model, fast: bool, max_q: int) -> dict[int, float]:
+        verifier = Verifier(model, fast_linear=fast)
+        forward = verifier.timed_forward(verifier.supports_tree_attention()[0])
+        tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
+        return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
+
+    costs = {"target": curve(engine.model, engine.fast_linear, engine.draft_budget + 1)}
+    if draft_model is not None:
+        # A draft forward feeds the output accepted since the last one, the root and the pool's tree.
+        costs["draft"] = curve(draft_model, fast_linear_works(draft_model)[0], 33)
+    return costs
+
+
+def modeled_decode_s(run: dict, costs: dict[str, dict]) -> float | None:
+    """Decode time as the pinned cost curves put it: the run's target and draft forwards by size.
+
+    Free of this machine's run-to-run noise (the same 18 forwards took 4.25 to 5.35 s), so two
+    drafting policies compare on fewer items; what it leaves out (the drafters' lookups and
+    bookkeeping, the engine's own Python) is a few ms per step. Only for runs whose forwards are
+    known: ours, and `hf-greedy:fast` (one single-token forward per token after the first).
+    """
+    target = CostModel({int(q): s for q, s in costs["target"].items()}, learn=False)
+    if run["method"] == "hf-greedy:fast":
+        return (len(run["tokens"]) - 1) * target(1)
+    if "forward_sizes" not in run:
+        return None
+    total = sum(n * target(int(q)) for q, n in run["forward_sizes"].items())
+    if run.get("draft_forward_sizes"):
+        draft = CostModel({int(q): s for q, s in costs["draft"].items()}, learn=False)
+        total += sum(n * draft(int(q)) for q, n in run["draft_forward_sizes"].items())
+    return total
+
+
+def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES, costs: dict | None = None) -> dict:
+    """Per category and method: speeds, and the mean and median of per-item decode speed ratios to each
+    of `bases`; with `costs` (`reference_costs`), also the ratios of modeled decode times."""
+    if costs:
+        runs = [{**r, "modeled_decode_s": modeled_decode_s(r, costs)} for r in runs]
     by = defaultdict(dict)
     for r in runs:
         by[(r["category"], r["item"])][r["method"]] = r
@@ -208,14 +256,21 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
                     for source, n in r.get("accepted", {}).items():
                         accepted[source] += n
                 row[method]["accepted_by_source"] = dict(accepted)
+            if all(r.get("modeled_decode_s") for r in rs):
+                # How much of the measured decode time the cost curves account for.
+                row[method]["modeled_share_of_decode"] = sum(r["modeled_decode_s"] for r in rs) / sum(r["decode_s"] for r in rs)
             if "answer_found" in rs[0]:
                 row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
             for base in bases:
                 if base in methods and method != base:
-                    ratios = [m[base]["decode_s"] / m[method]["decode_s"] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in items]
-                    row[method][f"decode_speedup_vs_{base}_mean"] = statistics.mean(ratios)
-                    row[method][f"decode_speedup_vs_{base}_median"] = statistics.median(ratios)
-                    row[method][f"decode_speedup_vs_{base}_ci95"] = _ci95(ratios)
+                    for kind, key in (("decode", "decode_s"), ("modeled", "modeled_decode_s")):
+                        if not all(m[k].get(key) for m in items for k in (base, method)):
+                            continue
+                        # Per token: a method may stop at another length than its base (never in greedy runs).
+                        ratios = [m[base][key] / m[method][key] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in items]
+                        row[method][f"{kind}_speedup_vs_{base}_mean"] = statistics.mean(ratios)
+                        row[method][f"{kind}_speedup_vs_{base}_median"] = statistics.median(ratios)
+                        row[method][f"{kind}_speedup_vs_{base}_ci95"] = _ci95(ratios)
         summary[category] = {"items": len(items), "methods": row}
     return summary
 
@@ -235,10 +290,13 @@ def _ci95(values: list[float]) -> float | None:
 
 def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES) -> str:
     bases = [b for b in bases if b in methods]
+    rows = [m for block in summary.values() for m in block["methods"].values()]
+    modeled = [b for b in bases if any(f"modeled_speedup_vs_{b}_mean" in m for m in rows)]
     lines = [
         "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean ± 95% CI / median)" for b in bases)
+        + "".join(f" | modeled x {b}" for b in modeled) + (" | modeled / measured" if modeled else "")
         + " | tokens/forward | drafting / decode | accepted by source | identical to greedy | answer found |",
-        "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|",
+        "|---|---|---|" + "---|" * (len(bases) + len(modeled) + bool(modeled)) + "---|---|---|---|---|",
     ]
     for category, block in summary.items():
         for method in methods:
@@ -247,14 +305,16 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
             per_forward = f"{m['tokens_per_forward']:.2f}" if m["tokens_per_forward"] else "-"
             drafting = f"{m['drafting_share_of_decode']:.1%}" if "drafting_share_of_decode" in m else "-"
             sources = ", ".join(f"{k} {v}" for k, v in sorted(m.get("accepted_by_source", {}).items())) or "-"
-            ratios = " | ".join(_ratio(m, b) for b in bases)
+            ratios = " | ".join([_ratio(m, "decode", b) for b in bases] + [_ratio(m, "modeled", b) for b in modeled])
+            if modeled:
+                ratios += f" | {m['modeled_share_of_decode']:.2f}" if "modeled_share_of_decode" in m else " | -"
             lines.append(f"| {category} (n={block['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | "
                          f"{drafting} | {sources} | {m['identical_to_greedy']:.0%} | {found} |")
     return "\n".join(lines)
 
 
-def _ratio(method_summary: dict, base: str) -> str:
-    key = f"decode_speedup_vs_{base}"
+def _ratio(method_summary: dict, kind: str, base: str) -> str:
+    key = f"{kind}_speedup_vs_{base}"
     if key + "_mean" not in method_summary:
         return "-"
     ci = method_summary.get(key + "_ci95")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from harness import BASELINES, Item, build_methods, markdown, measure, plot, summarize
+from harness import BASELINES, Item, build_methods, markdown, measure, plot, reference_costs, summarize
 
 from rag_speculate import Datastore, SpeculativeEngine
 from rag_speculate.loading import int8_draft_model, load_model
@@ -28,12 +28,14 @@ CATEGORIES = ["summarization", "rag", "qa", "math_reasoning", "translation"]
 METHODS = ["hf-greedy", "hf-pld", "trie"]
 
 
-def load_items(engine: SpeculativeEngine, path: Path, categories: list[str], n: int) -> list[Item]:
+def load_items(engine: SpeculativeEngine, path: Path, categories: list[str], n: int, offset: int = 0) -> list[Item]:
     items, seen = [], defaultdict(int)
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        if row["category"] in categories and seen[row["category"]] < n:
+        if row["category"] in categories and seen[row["category"]] < offset + n:
             seen[row["category"]] += 1
+            if seen[row["category"]] <= offset:
+                continue
             prompt = row["turns"][0]
             # A rag item is passages, one per line, then the question: the passages are what a pipeline retrieved.
             documents = prompt.split("\n")[:-1] if row["category"] == "rag" else None
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--categories", default=",".join(CATEGORIES))
     parser.add_argument("--n", type=int, default=4, help="items per category")
+    parser.add_argument("--offset", type=int, default=0, help="skip the first items of each category (items no earlier run used)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft-model", default=None, help="for hf-assisted, ouroboros and combined")
@@ -72,10 +75,11 @@ def main() -> None:
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
     if args.from_json:
-        runs = json.loads(args.from_json.read_text())["runs"]
+        saved = json.loads(args.from_json.read_text())
+        runs = saved["runs"]
         methods = list(dict.fromkeys(r["method"] for r in runs))
         bases = args.bases.split(",")
-        summary = summarize(runs, methods, bases)
+        summary = summarize(runs, methods, bases, saved.get("reference_costs"))
         plot(summary, methods, args.from_json.with_suffix(".png"), title)
         print(markdown(summary, methods, bases))
         return
@@ -91,15 +95,16 @@ def main() -> None:
     variants = {name: Path(file) for name, file in (v.split("=", 1) for v in args.variant)}
     methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft,
                             variants=variants)
-    items = load_items(engine, args.data, args.categories.split(","), args.n)
+    items = load_items(engine, args.data, args.categories.split(","), args.n, args.offset)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs
+    costs = reference_costs(engine, draft[0] if draft else None)
     runs = measure(items, methods, args.max_new_tokens, engine.tokenizer)
-    write(args, engine, runs, list(methods), title, bases=args.bases.split(","))
+    write(args, engine, runs, list(methods), title, {"reference_costs": costs}, bases=args.bases.split(","))
 
 
 def write(args: argparse.Namespace, engine: SpeculativeEngine, runs: list[dict], methods: list[str], title: str,
           extra: dict | None = None, bases: Sequence[str] = BASELINES) -> None:
-    summary = summarize(runs, methods, bases)
+    summary = summarize(runs, methods, bases, (extra or {}).get("reference_costs"))
     table = markdown(summary, methods, bases)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(args).items()} | {"draft_budget": engine.draft_budget, "torch": torch.__version__}

@@ -55,6 +55,10 @@ class CostModel:
             seconds[q] = time.perf_counter() - started
         return cls(seconds)
 
+    def table(self) -> dict[int, float]:
+        """Seconds by timed size, as now (it keeps learning): `CostModel(table, learn=False)` pins a copy."""
+        return dict(zip(self._sizes, self._seconds))
+
     def __call__(self, q: int) -> float:
         sizes, seconds = self._sizes, self._seconds
         if len(sizes) == 1:

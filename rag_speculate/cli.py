@@ -201,7 +201,8 @@ def _print_stats(result: GenerationResult) -> None:
     s = result.stats
     print(f"Stats: {s.new_tokens} new tokens from a {s.prompt_tokens}-token prompt in {s.target_forwards} target forwards "
           f"({s.tokens_per_forward:.2f} tokens/forward, {s.verification} verification)")
-    print(f"  drafted {dict(s.drafted_tokens)}, accepted {dict(s.accepted_tokens)}")
+    print(f"  drafted {dict(s.drafted_tokens)}, accepted {dict(s.accepted_tokens)}, "
+          f"decode forwards by tokens fed {dict(sorted(s.forward_sizes.items()))}")
     print(f"  time to first token {s.time_to_first_token_s:.2f} s, prefill {s.prefill_s:.2f} s, "
           f"decode {s.decode_s:.2f} s ({s.decode_tokens_per_s:.2f} tok/s), drafting {s.drafting_s * 1000:.1f} ms (+ {s.draft_setup_s * 1000:.1f} ms setup)")
     print(f"  finish reason: {result.finish_reason}")

@@ -13,6 +13,9 @@ class GenerationStats:
     new_tokens: int = 0
     # Prefill included: plain decoding needs exactly `new_tokens` of them.
     target_forwards: int = 0
+    # Tokens fed to each decode forward (the draft nodes verified + 1) -> how many forwards: on a
+    # CPU a forward's cost grows with them, so this with the cost curve explains decode_s.
+    forward_sizes: Counter = field(default_factory=Counter)
     drafted_tokens: Counter = field(default_factory=Counter)
     accepted_tokens: Counter = field(default_factory=Counter)
     time_to_first_token_s: float = 0.0
@@ -36,6 +39,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        out["forward_sizes"] = dict(self.forward_sizes)
         out["drafted_tokens"] = dict(self.drafted_tokens)
         out["accepted_tokens"] = dict(self.accepted_tokens)
         out["tokens_per_forward"] = self.tokens_per_forward

@@ -213,6 +213,21 @@ def test_calibrated_estimates_settle_at_the_acceptance_rate():
     assert estimate == pytest.approx(0.5, abs=0.06)
 
 
+def test_a_drafter_earns_no_trust_on_nodes_another_drafter_ranked():
+    # REST beside a draft model: it often proposes the draft model's token too, at a low prior.
+    # Credited with those acceptances, its calibration rose to 2 on math answers while the nodes its
+    # own estimates ranked were almost never accepted, and those were then verified at inflated estimates.
+    model = FixedDrafter("model", DraftTree([5], [-1], ["model"], [0.9]))
+    echo = FixedDrafter("echo", DraftTree([5], [-1], ["echo"], [0.2]))
+    combined = CombinedDrafter([model, echo], skip_unpaid=False)
+    for _ in range(10):
+        tree = combined.propose([1], budget=4)
+        combined.observe(accepting(tree, [5, 0]))
+    echo.tree = DraftTree([7], [-1], ["echo"], [0.2])
+    tree = combined.propose([1], budget=4)
+    assert dict(zip(tree.sources, tree.scores))["echo"] == pytest.approx(0.2)
+
+
 def accepting(tree: DraftTree, says: list[int]) -> Verification:
     """The verification by a target whose choices along the way are `says`."""
     children, node, path = tree.children(), -1, []

@@ -47,6 +47,10 @@ def test_adversarial_random_trees_match_generate(arch, budget, tokenizer):
         # Each forward emits its accepted drafts plus one token of its own, unless EOS cut the last one short.
         expected = stats.target_forwards + stats.accepted_tokens["random_tree"]
         assert stats.new_tokens in (expected, expected - 1)
+        # Each decode forward is counted once, by the tokens it fed: its verified nodes + 1.
+        assert sum(stats.forward_sizes.values()) == stats.target_forwards - 1
+        assert max(stats.forward_sizes) <= budget + 1
+        assert sum((q - 1) * n for q, n in stats.forward_sizes.items()) >= stats.accepted_tokens["random_tree"]
 
 
 def test_engine_is_reusable_and_string_documents_are_tokenized_once(tokenizer):

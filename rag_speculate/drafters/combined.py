@@ -8,9 +8,9 @@ so the rates it learns stay its own.
 Estimates are only as good as each drafter's calibration, and drafting time is not free: a
 drafter that runs a model can cost a quarter of a target forward per proposal on a CPU. So the
 combined drafter keeps, per drafter and across generations, how its own estimates (before any
-rescaling) compare with what was accepted (and rescales them; that evidence fades only when its
-nodes are verified again, so a retrieval drafter whose drafts a translation rejects stays
-distrusted), and how many tokens per second the steps yield with it against without it (the
+rescaling) compare with what was accepted on the nodes it ranked itself (and rescales them;
+that evidence fades only when its nodes are verified again, so a retrieval drafter whose drafts
+a translation rejects stays distrusted), and how many tokens per second the steps yield with it against without it (the
 tokens the other drafters' trees would have covered, over the time without its drafting). Each
 generation judges a drafter afresh, once it has drafted in a few steps (one rejected draft is no
 verdict: a draft model that helps at 0.4 tokens per step often misses its first); one that does
@@ -118,6 +118,7 @@ class CombinedDrafter(Drafter):
         self._target_s = 0.0
         self._steps = 0
         self._proposals: dict[str, _Proposal] = {}
+        self._ranked_by: dict[Path, str] = {}  # the drafter whose estimate ranked each merged path
         self._proposed_at = 0.0
 
     def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
@@ -188,10 +189,12 @@ class CombinedDrafter(Drafter):
     def _merge(self, budget: int) -> DraftTree:
         """The `budget` best nodes of all proposals, equal paths merged, best first."""
         best: dict[Path, tuple[float, str]] = {}
+        self._ranked_by = {}
         for name, (tree, paths, _, estimates) in self._proposals.items():
             for i, (path, score) in enumerate(zip(paths, estimates)):
                 if path not in best or score > best[path][0]:
                     best[path] = (score, tree.source(i) or name)
+                    self._ranked_by[path] = name
         children: dict[Path, list[Path]] = {}
         for path in best:
             children.setdefault(path[:-1], []).append(path)
@@ -224,10 +227,14 @@ class CombinedDrafter(Drafter):
             # of them was verified say nothing of its estimates, and fading on them let a drafter
             # whose drafts were just rejected back to a neutral calibration within ten steps.
             # Counted against the drafter's own scores: against the rescaled ones, a calibration
-            # that got them right would drift back to 1 and undo itself.
-            if kept and tree.scores:
-                ledger.expected = _MEMORY * ledger.expected + sum(scores[i] for i in kept)
-                ledger.accepted = _MEMORY * ledger.accepted + len(projected.accepted_nodes)
+            # that got them right would drift back to 1 and undo itself. And only on the nodes its
+            # own estimate ranked: a path another drafter ranked higher was chosen on that one's
+            # evidence, mostly an easy token both predict (REST's calibration rose to 2 on math
+            # answers that way, while the nodes it ranked itself were almost never accepted).
+            ranked = [i for i in kept if self._ranked_by.get(paths[i]) == name]
+            if ranked and tree.scores:
+                ledger.expected = _MEMORY * ledger.expected + sum(scores[i] for i in ranked)
+                ledger.accepted = _MEMORY * ledger.accepted + sum(paths[i] == accepted[: len(paths[i])] for i in ranked)
             without = max((c for other, c in coverage.items() if other != name), default=0)
             ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
             ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)

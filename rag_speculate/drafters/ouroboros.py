@@ -59,6 +59,7 @@ the draft curve is nearly flat to q=8 (44 ms at 1, 62 ms at 8), so checking them
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -129,10 +130,10 @@ class OuroborosDrafter(Drafter):
         self.pool = pool if pool is not None else PhrasePool(W, beta)
         # Draft forward cost by tokens fed, timed at the first `start`; assign one to pin it (tests).
         self.cost_model: CostModel | None = None
-        # Seconds the last `propose` spent and draft forwards run so far, so a caller can judge
-        # whether the draft model pays for itself.
+        # Seconds the last `propose` spent, and the draft forwards run so far by tokens fed, so a
+        # caller can judge whether the draft model pays for itself.
         self.last_propose_s = 0.0
-        self.draft_forwards = 0
+        self.draft_forward_sizes: Counter[int] = Counter()
         self._verifier = Verifier(draft_model, fast_linear=fast_linear_works(draft_model)[0])
         self._tree_attention = True
         self._draft_vocab = draft_model.get_input_embeddings().num_embeddings
@@ -144,6 +145,10 @@ class OuroborosDrafter(Drafter):
         self._suffix_rate = AgreementRate(prior=_SUFFIX_PRIOR)
         self._pool_rate = AgreementRate(prior=_POOL_PRIOR)
         self._reset()
+
+    @property
+    def draft_forwards(self) -> int:
+        return sum(self.draft_forward_sizes.values())
 
     def _reset(self) -> None:
         self._cache = make_cache(self.draft_model)
@@ -281,7 +286,7 @@ class OuroborosDrafter(Drafter):
         kept = list(range(len(forced) + 1)) + [len(forced) + 1 + i for i in step.accepted_nodes]
         keep_cache_entries(self._cache, len(forced) + len(tree) + 1, kept)
         self._costs().observe(len(forced) + len(tree) + 1, time.perf_counter() - started)
-        self.draft_forwards += 1
+        self.draft_forward_sizes[len(forced) + len(tree) + 1] += 1
         self._cached.extend([*pending, root, *step.accepted_tokens[:-1]])
         if tree.tokens:
             self._pool_rate.observe(*agreement_trials(step))
