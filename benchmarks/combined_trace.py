@@ -1,5 +1,6 @@
-"""Step by step, what the combined drafter asked, verified (with the sum of the estimates the engine
-saw) and got accepted, how long the step took besides drafting, and its draft-model ledger.
+"""Step by step, what the combined drafter asked, each drafter's calibration, what it verified (with the
+sum of the estimates the engine saw) and got accepted, how long the step took besides drafting, and
+its draft-model ledger.
 
     python3 benchmarks/combined_trace.py --categories translation --items 161,167 \
         --datastore ~/.cache/rag-speculate/indexes/nq-qwen2.5-coder-1.5b-instruct

@@ -240,9 +240,13 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
         items = [m for (c, _), m in by.items() if c == category]
         row = {}
         for method in methods:
-            rs = [m[method] for m in items]
+            # Pooled runs (spec_bench --from-json A --from-json B) need not have run every method on every item.
+            rs = [m[method] for m in items if method in m]
+            if not rs:
+                continue
             tokens = sum(len(r["tokens"]) for r in rs)
             row[method] = {
+                "items": len(rs),
                 "e2e_tok_s": tokens / sum(r["total_s"] for r in rs),
                 "decode_tok_s": sum(len(r["tokens"]) - 1 for r in rs) / sum(r["decode_s"] for r in rs),
                 "identical_to_greedy": statistics.mean(r["identical"] for r in rs),
@@ -263,11 +267,12 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
                 row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
             for base in bases:
                 if base in methods and method != base:
+                    pairs = [m for m in items if base in m and method in m]
                     for kind, key in (("decode", "decode_s"), ("modeled", "modeled_decode_s")):
-                        if not all(m[k].get(key) for m in items for k in (base, method)):
+                        if not pairs or not all(m[k].get(key) for m in pairs for k in (base, method)):
                             continue
                         # Per token: a method may stop at another length than its base (never in greedy runs).
-                        ratios = [m[base][key] / m[method][key] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in items]
+                        ratios = [m[base][key] / m[method][key] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in pairs]
                         row[method][f"{kind}_speedup_vs_{base}_mean"] = statistics.mean(ratios)
                         row[method][f"{kind}_speedup_vs_{base}_median"] = statistics.median(ratios)
                         row[method][f"{kind}_speedup_vs_{base}_ci95"] = _ci95(ratios)
@@ -300,6 +305,8 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
     ]
     for category, block in summary.items():
         for method in methods:
+            if method not in block["methods"]:
+                continue
             m = block["methods"][method]
             found = f"{m['answer_found']:.0%}" if "answer_found" in m else "-"
             per_forward = f"{m['tokens_per_forward']:.2f}" if m["tokens_per_forward"] else "-"
@@ -308,7 +315,7 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
             ratios = " | ".join([_ratio(m, "decode", b) for b in bases] + [_ratio(m, "modeled", b) for b in modeled])
             if modeled:
                 ratios += f" | {m['modeled_share_of_decode']:.2f}" if "modeled_share_of_decode" in m else " | -"
-            lines.append(f"| {category} (n={block['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | "
+            lines.append(f"| {category} (n={m['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | "
                          f"{drafting} | {sources} | {m['identical_to_greedy']:.0%} | {found} |")
     return "\n".join(lines)
 

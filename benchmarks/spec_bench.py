@@ -18,7 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from harness import BASELINES, Item, build_methods, markdown, measure, plot, reference_costs, summarize
+from harness import (
+    BASELINES,
+    Item,
+    build_methods,
+    markdown,
+    measure,
+    modeled_decode_s,
+    plot,
+    reference_costs,
+    summarize,
+)
 
 from rag_speculate import Datastore, SpeculativeEngine
 from rag_speculate.loading import int8_draft_model, load_model
@@ -67,7 +77,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench"))
-    parser.add_argument("--from-json", type=Path, help="only re-render the table and plot of an earlier run")
+    parser.add_argument("--from-json", type=Path, action="append",
+                        help="only re-render the table (and, for one file, the plot) of an earlier run; repeat to pool runs over other items")
     parser.add_argument("--bases", default=",".join(BASELINES),
                         help="methods the table divides by, where run (with --from-json e.g. `trie,ouroboros` to compare ours)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
@@ -75,12 +86,17 @@ def main() -> None:
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
     if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        runs = saved["runs"]
+        runs = []
+        for path in args.from_json:
+            saved = json.loads(path.read_text())
+            # Each run's modeled time from its own file's pinned curves.
+            costs = saved.get("reference_costs")
+            runs += [{**r, "modeled_decode_s": modeled_decode_s(r, costs)} if costs else r for r in saved["runs"]]
         methods = list(dict.fromkeys(r["method"] for r in runs))
         bases = args.bases.split(",")
-        summary = summarize(runs, methods, bases, saved.get("reference_costs"))
-        plot(summary, methods, args.from_json.with_suffix(".png"), title)
+        summary = summarize(runs, methods, bases)
+        if len(args.from_json) == 1:
+            plot(summary, methods, args.from_json[0].with_suffix(".png"), title)
         print(markdown(summary, methods, bases))
         return
 

@@ -46,3 +46,15 @@ def test_a_pinned_copy_of_a_cost_curve_stops_learning():
     costs.observe(1, 0.6)
     pinned.observe(1, 0.6)
     assert pinned(1) == 0.3 < costs(1)
+
+
+def test_pooled_runs_compare_only_the_items_both_methods_ran():
+    def run(item, method, decode_s):
+        return {"item": item, "category": "qa", "method": method, "tokens": [0] * 9, "total_s": decode_s, "decode_s": decode_s,
+                "forwards": None, "identical": True}
+
+    # Two runs pooled (spec_bench --from-json A --from-json B): the second had no "new" method.
+    runs = [run("a", "old", 2.0), run("a", "new", 1.0), run("b", "old", 2.0), run("b", "extra", 4.0)]
+    block = summarize(runs, ["old", "new", "extra"], bases=["old"])["qa"]["methods"]
+    assert block["new"]["items"] == 1 and block["new"]["decode_speedup_vs_old_mean"] == pytest.approx(2.0)
+    assert block["extra"]["items"] == 1 and block["extra"]["decode_speedup_vs_old_mean"] == pytest.approx(0.5)
