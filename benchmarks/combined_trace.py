@@ -5,8 +5,9 @@ its draft-model ledger.
     python3 benchmarks/combined_trace.py --categories translation --items 161,167 \
         --datastore ~/.cache/rag-speculate/indexes/nq-qwen2.5-coder-1.5b-instruct
 
-The last two lines total, over all items, each source's verified nodes, their estimates and its
-accepted tokens, for Ouroboros alone and for the combined drafter. Each item is answered by
+The last lines total, over all items, each source's verified nodes, their estimates and its
+accepted tokens, for Ouroboros alone and for the combined drafter, and the combined drafter's time
+per step by drafter. Each item is answered by
 Ouroboros alone, then by the combined drafter (documents' trie, REST,
 Ouroboros; int8 0.5B draft, fp32 1.5B target), as in spec_bench.py's `ouroboros` and `combined`.
 A diagnostic: it reads the combined drafter's private ledger, which no API exposes.
@@ -40,8 +41,10 @@ def main() -> None:
     store = open_datastore(args.datastore, engine.tokenizer)
     ouroboros = OuroborosDrafter(draft, draft_tokenizer)
     combined = CombinedDrafter([NGramTrieDrafter(), RESTDrafter(store), OuroborosDrafter(draft, draft_tokenizer)])
+    proposing = timed(combined)  # innermost: the trace's own logging is not counted
     steps = trace(combined)
     tallies = {"ouroboros": tally(ouroboros), "combined": tally(combined)}
+    combined_steps = 0
     ids = set(args.items.split(","))
     items = [it for it in load_items(engine, DEFAULT_DATA, args.categories.split(","), 10**6) if it.id in ids]
     engine.generate([1, 2, 3, 4], max_new_tokens=4)  # one-off costs, the cost curve
@@ -51,6 +54,7 @@ def main() -> None:
             engine.drafter = drafter
             steps.clear()
             s = engine.generate(item.prompt_ids, documents=item.documents, max_new_tokens=args.max_new_tokens).stats
+            combined_steps += (s.target_forwards - 1) * (name == "combined")
             print(f"{item.category} {item.id} {name}: {s.new_tokens} tokens in {s.target_forwards} forwards, decode "
                   f"{s.decode_s:.2f} s, drafting {s.drafting_s:.2f} s, accepted {dict(s.accepted_tokens)}, "
                   f"{(s.decode_s - s.drafting_s) / s.target_forwards * 1000:.0f} ms per step besides drafting")
@@ -59,6 +63,10 @@ def main() -> None:
     for name, counts in tallies.items():
         print(f"{name}, all items: verified nodes / expected tokens / accepted tokens by source: "
               + ", ".join(f"{source} {n} / {expected:.2f} / {accepted}" for source, (n, expected, accepted) in sorted(counts.items())))
+    bookkeeping = proposing.pop("combined") - sum(proposing.values())
+    print("combined, all items: ms per step proposing and observing, by drafter: "
+          + ", ".join(f"{n} {seconds / combined_steps * 1000:.2f}" for n, seconds in proposing.items())
+          + f"; the combined drafter's own merging and bookkeeping {bookkeeping / combined_steps * 1000:.2f}")
 
 
 def tally(drafter) -> dict[str, list]:
@@ -77,6 +85,25 @@ def tally(drafter) -> dict[str, list]:
 
     drafter.observe = counted_observe
     return counts
+
+
+def timed(combined: CombinedDrafter) -> dict[str, float]:
+    """Wraps `combined` and each of its drafters to sum the seconds of their propose and observe calls."""
+    seconds: dict[str, float] = {}
+    for drafter in (*combined.drafters, combined):
+        seconds[drafter.name] = 0.0
+        for method in ("propose", "observe"):
+            call = getattr(drafter, method)
+
+            def timed_call(*args, _call=call, _name=drafter.name):
+                started = time.perf_counter()
+                try:
+                    return _call(*args)
+                finally:
+                    seconds[_name] += time.perf_counter() - started
+
+            setattr(drafter, method, timed_call)
+    return seconds
 
 
 def trace(combined: CombinedDrafter) -> list[str]:
