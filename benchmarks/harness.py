@@ -6,7 +6,7 @@ methods run back to back in a rotating order, so machine noise hits all of them 
 speed counts the tokens after the first over the time after the first token: prefill is the same
 work for every method and speculation cannot touch it. Runs also count their forwards by size, so
 decode time can be modeled from cost curves pinned at the start (`modeled_decode_s`): wall-clock
-ratios show what a user gets, modeled ratios compare drafting policies without the machine's noise.
+ratios show what a user gets, modeled ratios price the same forwards at a speed that does not drift.
 """
 
 from __future__ import annotations
@@ -210,10 +210,12 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
 def modeled_decode_s(run: dict, costs: dict[str, dict]) -> float | None:
     """Decode time as the pinned cost curves put it: the run's target and draft forwards by size.
 
-    Free of this machine's run-to-run noise (the same 18 forwards took 4.25 to 5.35 s), so two
-    drafting policies compare on fewer items; what it leaves out (the drafters' lookups and
-    bookkeeping, the engine's own Python) is a few ms per step. Only for runs whose forwards are
-    known: ours, and `hf-greedy:fast` (one single-token forward per token after the first).
+    Free of the machine's speed drifting during a run (the same 18 forwards took 4.25 to 5.35 s),
+    though most of the per-item spread between two drafting policies is in what they do, not in
+    that (docs/benchmarks.md section 4). Left out: the drafters' lookups and bookkeeping (under 1 ms
+    per step) and attention growing past the curves' 32 tokens of context (modeled over measured:
+    0.83-0.93 on rag's long prompts, 0.92-1.09 elsewhere). Only for runs whose forwards are known:
+    ours, and `hf-greedy:fast` (one single-token forward per token after the first).
     """
     target = CostModel({int(q): s for q, s in costs["target"].items()}, learn=False)
     if run["method"] == "hf-greedy:fast":
@@ -227,11 +229,14 @@ def modeled_decode_s(run: dict, costs: dict[str, dict]) -> float | None:
     return total
 
 
-def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES, costs: dict | None = None) -> dict:
+def with_modeled(runs: list[dict], costs: dict[str, dict] | None) -> list[dict]:
+    """The runs, each with its `modeled_decode_s` on the curves of `reference_costs` (unchanged without them)."""
+    return [{**r, "modeled_decode_s": modeled_decode_s(r, costs)} for r in runs] if costs else runs
+
+
+def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES) -> dict:
     """Per category and method: speeds, and the mean and median of per-item decode speed ratios to each
-    of `bases`; with `costs` (`reference_costs`), also the ratios of modeled decode times."""
-    if costs:
-        runs = [{**r, "modeled_decode_s": modeled_decode_s(r, costs)} for r in runs]
+    of `bases`, also of modeled decode times where the runs have them (`with_modeled`)."""
     by = defaultdict(dict)
     for r in runs:
         by[(r["category"], r["item"])][r["method"]] = r

@@ -24,10 +24,10 @@ from harness import (
     build_methods,
     markdown,
     measure,
-    modeled_decode_s,
     plot,
     reference_costs,
     summarize,
+    with_modeled,
 )
 
 from rag_speculate import Datastore, SpeculativeEngine
@@ -90,8 +90,7 @@ def main() -> None:
         for path in args.from_json:
             saved = json.loads(path.read_text())
             # Each run's modeled time from its own file's pinned curves.
-            costs = saved.get("reference_costs")
-            runs += [{**r, "modeled_decode_s": modeled_decode_s(r, costs)} if costs else r for r in saved["runs"]]
+            runs += with_modeled(saved["runs"], saved.get("reference_costs"))
         methods = list(dict.fromkeys(r["method"] for r in runs))
         bases = args.bases.split(",")
         summary = summarize(runs, methods, bases)
@@ -120,7 +119,7 @@ def main() -> None:
 
 def write(args: argparse.Namespace, engine: SpeculativeEngine, runs: list[dict], methods: list[str], title: str,
           extra: dict | None = None, bases: Sequence[str] = BASELINES) -> None:
-    summary = summarize(runs, methods, bases, (extra or {}).get("reference_costs"))
+    summary = summarize(with_modeled(runs, (extra or {}).get("reference_costs")), methods, bases)
     table = markdown(summary, methods, bases)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(args).items()} | {"draft_budget": engine.draft_budget, "torch": torch.__version__}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import modeled_decode_s, summarize
+from harness import modeled_decode_s, summarize, with_modeled
 
 from rag_speculate.budget import CostModel
 
@@ -33,7 +33,7 @@ def test_summary_divides_modeled_times_per_item():
 
     runs = [run("a", "plain", {"1": 8}, 2.0), run("a", "drafted", {"5": 2}, 1.0),
             run("b", "plain", {"1": 8}, 2.0), run("b", "drafted", {"9": 1, "1": 1}, 2.0)]
-    row = summarize(runs, ["plain", "drafted"], bases=["plain"], costs=COSTS)["qa"]["methods"]["drafted"]
+    row = summarize(with_modeled(runs, COSTS), ["plain", "drafted"], bases=["plain"])["qa"]["methods"]["drafted"]
     assert row["modeled_speedup_vs_plain_mean"] == pytest.approx((2.4 / 0.8 + 2.4 / 0.8) / 2)
     assert row["decode_speedup_vs_plain_mean"] == pytest.approx((2.0 + 1.0) / 2)
     assert row["modeled_share_of_decode"] == pytest.approx(1.6 / 3.0)
