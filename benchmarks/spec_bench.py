@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--categories", default=",".join(CATEGORIES))
     parser.add_argument("--n", type=int, default=4, help="items per category")
-    parser.add_argument("--offset", type=int, default=0, help="skip the first items of each category (items no earlier run used)")
+    parser.add_argument("--offset", type=int, default=0, help="skip the first items of each category (to run items another run did not)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft-model", default=None, help="for hf-assisted, ouroboros and combined")
