@@ -54,7 +54,8 @@ def main() -> None:
             engine.drafter = drafter
             steps.clear()
             s = engine.generate(item.prompt_ids, documents=item.documents, max_new_tokens=args.max_new_tokens).stats
-            combined_steps += (s.target_forwards - 1) * (name == "combined")
+            if name == "combined":
+                combined_steps += s.target_forwards - 1
             print(f"{item.category} {item.id} {name}: {s.new_tokens} tokens in {s.target_forwards} forwards, decode "
                   f"{s.decode_s:.2f} s, drafting {s.drafting_s:.2f} s, accepted {dict(s.accepted_tokens)}, "
                   f"{(s.decode_s - s.drafting_s) / s.target_forwards * 1000:.0f} ms per step besides drafting")

@@ -288,7 +288,8 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
 def _ci95(values: list[float]) -> float | None:
     """Half-width of the 95% confidence interval of the mean, items taken as independent samples (Student's t).
 
-    Run-to-run noise on this machine is 5-15% per item, so a mean over four items can differ from
+    Per-item ratios spread by 5-15% here (more from what the drafters do on each item than from the
+    machine's speed, docs/benchmarks.md section 4), so a mean over four items can differ from
     another method's by that much with nothing changed; the interval says how far to trust a gap.
     """
     if len(values) < 2:

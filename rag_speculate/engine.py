@@ -190,9 +190,10 @@ class SpeculativeEngine:
 
                 forward_started = time.perf_counter()
                 verification = self._verifier.step(cache, tokens[-1], tree, params, generator, tree_mode)
-                costs.observe(len(verification.tree) + 1, time.perf_counter() - forward_started)
+                fed = len(verification.tree) + 1
+                costs.observe(fed, time.perf_counter() - forward_started)
                 stats.target_forwards += 1
-                stats.forward_sizes[len(verification.tree) + 1] += 1
+                stats.forward_sizes[fed] += 1
 
                 draft_started = time.perf_counter()
                 self.drafter.observe(verification)

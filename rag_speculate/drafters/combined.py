@@ -10,8 +10,9 @@ drafter that runs a model can cost a quarter of a target forward per proposal on
 combined drafter keeps, per drafter and across generations, how its own estimates (before any
 rescaling) compare with what was accepted on the nodes it ranked itself (and rescales them;
 that evidence fades only when its nodes are verified again, so a retrieval drafter whose drafts
-a translation rejects stays distrusted), and how many tokens per second the steps yield with it against without it (the
-tokens the other drafters' trees would have covered, over the time without its drafting). Each
+a translation rejects stays distrusted), and how many tokens per second the steps yield with it
+against without it (the tokens the other drafters' trees would have covered, over the time
+without its drafting). Each
 generation judges a drafter afresh, once it has drafted in a few steps (one rejected draft is no
 verdict: a draft model that helps at 0.4 tokens per step often misses its first); one that does
 not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
@@ -188,13 +189,12 @@ class CombinedDrafter(Drafter):
 
     def _merge(self, budget: int) -> DraftTree:
         """The `budget` best nodes of all proposals, equal paths merged, best first."""
-        best: dict[Path, tuple[float, str]] = {}
-        self._ranked_by = {}
+        best: dict[Path, tuple[float, str, str]] = {}  # path -> (estimate, source credited, drafter that ranked it)
         for name, (tree, paths, _, estimates) in self._proposals.items():
             for i, (path, score) in enumerate(zip(paths, estimates)):
                 if path not in best or score > best[path][0]:
-                    best[path] = (score, tree.source(i) or name)
-                    self._ranked_by[path] = name
+                    best[path] = (score, tree.source(i) or name, name)
+        self._ranked_by = {path: name for path, (_, _, name) in best.items()}
         children: dict[Path, list[Path]] = {}
         for path in best:
             children.setdefault(path[:-1], []).append(path)
