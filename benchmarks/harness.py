@@ -61,7 +61,8 @@ def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         with FastLinear() if fast else contextlib.nullcontext():
             out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
-        return {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "forwards": None}
+        return {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "decode_tokens": out.decode_tokens,
+                "forwards": None}
 
     return run
 
@@ -74,7 +75,8 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
     if ours.fast_linear == engine.fast_linear:
         ours.cost_model = engine.cost_model
 
-    draft_models = [d for d in getattr(ours.drafter, "drafters", [ours.drafter]) if isinstance(d, OuroborosDrafter)]
+    # By what they count, not their class: an A/B's variant OuroborosDrafter is another class.
+    draft_models = [d for d in getattr(ours.drafter, "drafters", [ours.drafter]) if hasattr(d, "draft_forward_sizes")]
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         if before:
@@ -85,7 +87,7 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
         s = result.stats
         draft_sizes = sum((d.draft_forward_sizes - b for d, b in zip(draft_models, drafted_before)), Counter())
         return {"tokens": result.token_ids, "total_s": time.perf_counter() - started, "decode_s": s.decode_s,
-                "forwards": s.target_forwards, "drafting_s": s.drafting_s, "draft_setup_s": s.draft_setup_s,
+                "decode_tokens": s.new_tokens - 1, "forwards": s.target_forwards, "drafting_s": s.drafting_s, "draft_setup_s": s.draft_setup_s,
                 "accepted": dict(s.accepted_tokens), "forward_sizes": dict(s.forward_sizes),
                 "draft_forward_sizes": dict(draft_sizes)}
 
@@ -98,8 +100,10 @@ def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore:
     combined (every configured source); NAME@B for one of ours with a draft budget of B (trie@0: our
     engine decoding plainly); NAME:stock for one of ours with torch's own linear kernel, NAME:fast for
     one of transformers' with our engine's (cpu_linear.py; by default ours use it and transformers' not).
-    `variants` maps further names to other versions of drafters/combined.py, each run as `combined`
-    with that file's CombinedDrafter: an A/B of a change against the installed one, in one process."""
+    `variants` maps further names to other versions of drafters/combined.py or drafters/ouroboros.py:
+    an A/B of a change against the installed file, in one process. A variant runs as the method its
+    name starts with (ouroboros-warm, ouroboros, else combined), with the file's CombinedDrafter or
+    OuroborosDrafter in place of the installed one."""
     # One measured cost curve for all of ours, so they differ only in their drafters; a short
     # generation times it (and pays the first call's one-off costs).
     engine.generate([1, 2, 3, 4], max_new_tokens=4)
@@ -107,7 +111,8 @@ def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore:
     variants = variants or {}
     for name in names:
         if name in variants:
-            methods[name] = _method("combined", None, engine, datastore, draft, "", _combined_drafter(name, variants[name]))
+            base = next((m for m in ("ouroboros-warm", "ouroboros") if name.startswith(m)), "combined")
+            methods[name] = _method(base, None, engine, datastore, draft, "", _variant_classes(name, variants[name]))
             continue
         rest, _, kernel = name.partition(":")
         base, _, budget = rest.partition("@")
@@ -117,8 +122,8 @@ def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore:
     return methods
 
 
-def _combined_drafter(name: str, path: Path) -> type[Drafter]:
-    """The CombinedDrafter class of another version of drafters/combined.py, loaded beside the installed one."""
+def _variant_classes(name: str, path: Path) -> dict[str, type[Drafter]]:
+    """The drafter classes another version of a drafters/ file defines, loaded beside the installed ones."""
     # Inside rag_speculate.drafters, so the file's relative imports resolve as in the package.
     spec = importlib.util.spec_from_file_location("rag_speculate.drafters.variant_" + re.sub(r"\W", "_", name), path)
     if spec is None or spec.loader is None:
@@ -126,11 +131,16 @@ def _combined_drafter(name: str, path: Path) -> type[Drafter]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.CombinedDrafter
+    classes = {c: getattr(module, c) for c in ("CombinedDrafter", "OuroborosDrafter") if hasattr(module, c)}
+    if not classes:
+        raise SystemExit(f"method {name!r}: {path} defines neither CombinedDrafter nor OuroborosDrafter")
+    return classes
 
 
 def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore: Datastore | None, draft: tuple | None,
-            kernel: str, combined: Callable[[list[Drafter]], Drafter] | None = None) -> Method:
+            kernel: str, classes: dict[str, type[Drafter]] | None = None) -> Method:
+    classes = classes or {}
+
     def need(what, value):
         if value is None:
             raise SystemExit(f"method {name} needs {what}")
@@ -154,7 +164,7 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
     if name == "trie+rest":
         return ours([NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))])
     if name in ("ouroboros", "ouroboros-warm", "combined"):
-        ouroboros = OuroborosDrafter(*need("--draft-model", draft))
+        ouroboros = classes.get("OuroborosDrafter", OuroborosDrafter)(*need("--draft-model", draft))
 
         def cold() -> None:
             # Without warm start every item starts from an empty pool; with it (the paper's Table 2
@@ -164,7 +174,7 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
         if name != "combined":
             return ours(ouroboros, before=cold if name == "ouroboros" else None)
         drafters = [NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros]
-        return ours(combined(drafters) if combined else drafters)
+        return ours(classes["CombinedDrafter"](drafters) if "CombinedDrafter" in classes else drafters)
     raise SystemExit(f"unknown method {name!r}")
 
 
@@ -253,7 +263,7 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
             row[method] = {
                 "items": len(rs),
                 "e2e_tok_s": tokens / sum(r["total_s"] for r in rs),
-                "decode_tok_s": sum(len(r["tokens"]) - 1 for r in rs) / sum(r["decode_s"] for r in rs),
+                "decode_tok_s": sum(_decode_tokens(r) for r in rs) / sum(r["decode_s"] for r in rs),
                 "identical_to_greedy": statistics.mean(r["identical"] for r in rs),
                 # transformers does not report its forwards; plain greedy is 1 by definition.
                 "tokens_per_forward": tokens / sum(r["forwards"] for r in rs) if rs[0]["forwards"] else None,
@@ -277,12 +287,17 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
                         if not pairs or not all(m[k].get(key) for m in pairs for k in (base, method)):
                             continue
                         # Per token: a method may stop at another length than its base (never in greedy runs).
-                        ratios = [m[base][key] / m[method][key] * (len(m[method]["tokens"]) - 1) / (len(m[base]["tokens"]) - 1) for m in pairs]
+                        ratios = [m[base][key] / m[method][key] * _decode_tokens(m[method]) / _decode_tokens(m[base]) for m in pairs]
                         row[method][f"{kind}_speedup_vs_{base}_mean"] = statistics.mean(ratios)
                         row[method][f"{kind}_speedup_vs_{base}_median"] = statistics.median(ratios)
                         row[method][f"{kind}_speedup_vs_{base}_ci95"] = _ci95(ratios)
         summary[category] = {"items": len(items), "methods": row}
     return summary
+
+
+def _decode_tokens(run: dict) -> int:
+    """The tokens a run emitted within its decode time (runs saved before this was recorded: all but the first)."""
+    return run.get("decode_tokens", len(run["tokens"]) - 1)
 
 
 def _ci95(values: list[float]) -> float | None:

@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--bases", default=",".join(BASELINES),
                         help="methods the table divides by, where run (with --from-json e.g. `trie,ouroboros` to compare ours)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
-                        help="method NAME: `combined` with the CombinedDrafter of FILE, another version of drafters/combined.py (an A/B)")
+                        help="method NAME: another version of drafters/combined.py or drafters/ouroboros.py (an A/B), run as the "
+                             "method NAME starts with (ouroboros-warm, ouroboros, else combined)")
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
     if args.from_json:

@@ -15,22 +15,28 @@ from transformers.generation.streamers import BaseStreamer
 class TimedGeneration:
     token_ids: list[int]
     total_s: float
-    # From the first new token to the last: prefill is the same work for every method, and
+    # From the first new tokens to the last: prefill is the same work for every method, and
     # speculation cannot touch it.
     decode_s: float
+    # The tokens emitted within decode_s: all but the first step's. Plain decoding's first step is
+    # one token; assisted generation drafts before the prefill and verifies the draft inside it, so
+    # its first step can emit 20 (a math answer), which must not count as decoded in no time.
+    decode_tokens: int
 
 
 class _FirstTokenClock(BaseStreamer):
-    """Records when `generate` produced its first new token (its first `put` is the prompt)."""
+    """Records when `generate` produced its first new tokens, and how many (its first `put` is the prompt)."""
 
     def __init__(self) -> None:
         self.puts = 0
         self.first_token_at: float | None = None
+        self.first_tokens = 0
 
     def put(self, value: Any) -> None:
         self.puts += 1
         if self.puts == 2:
             self.first_token_at = time.perf_counter()
+            self.first_tokens = value.numel()
 
     def end(self) -> None:
         pass
@@ -47,4 +53,5 @@ def timed_generate(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens
             streamer=clock, **kwargs,
         )
     ended = time.perf_counter()
-    return TimedGeneration(out[0, len(prompt_ids) :].tolist(), ended - started, ended - (clock.first_token_at or ended))
+    new = out[0, len(prompt_ids) :].tolist()
+    return TimedGeneration(new, ended - started, ended - (clock.first_token_at or ended), max(len(new) - clock.first_tokens, 0))

@@ -1,4 +1,4 @@
-"""The benchmarks' modeled decode time: what A/Bs of drafting policies are decided on."""
+"""The benchmarks' decode time, counted and modeled: what A/Bs of drafting policies and the comparisons with transformers are decided on."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from conftest import tiny_model
 from harness import modeled_decode_s, summarize, with_modeled
 
+from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel
 
 # As JSON gives them back: sizes as strings.
@@ -58,3 +60,30 @@ def test_pooled_runs_compare_only_the_items_both_methods_ran():
     block = summarize(runs, ["old", "new", "extra"], bases=["old"])["qa"]["methods"]
     assert block["new"]["items"] == 1 and block["new"]["decode_speedup_vs_old_mean"] == pytest.approx(2.0)
     assert block["extra"]["items"] == 1 and block["extra"]["decode_speedup_vs_old_mean"] == pytest.approx(0.5)
+
+
+def test_decode_speed_counts_only_the_tokens_emitted_within_decode_time():
+    def run(item, method, decode_s, decode_tokens):
+        return {"item": item, "category": "qa", "method": method, "tokens": [0] * 21, "total_s": decode_s + 1,
+                "decode_s": decode_s, "decode_tokens": decode_tokens, "forwards": None, "identical": True}
+
+    # Assisted generation emitted 11 of its 21 tokens with the prefill: its decode time covers 10.
+    runs = [run("a", "hf-greedy", 4.0, 20), run("a", "hf-assisted", 1.0, 10)]
+    row = summarize(runs, ["hf-greedy", "hf-assisted"], bases=["hf-greedy"])["qa"]["methods"]["hf-assisted"]
+    assert row["decode_tok_s"] == pytest.approx(10.0)
+    assert row["decode_speedup_vs_hf-greedy_mean"] == pytest.approx(2.0)
+    # Runs saved before decode_tokens was recorded count all tokens but the first.
+    for r in runs:
+        del r["decode_tokens"]
+    assert summarize(runs, ["hf-greedy"])["qa"]["methods"]["hf-greedy"]["decode_tok_s"] == pytest.approx(5.0)
+
+
+def test_timed_assisted_generation_leaves_the_tokens_of_its_first_step_out_of_decode(tokenizer):
+    model = tiny_model("llama", seed=0)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+    plain = timed_generate(model, ids, 24)
+    assert plain.decode_tokens == len(plain.token_ids) - 1
+    # An assistant identical to the target: its first draft, verified inside the prefill, is taken whole.
+    assisted = timed_generate(model, ids, 24, assistant_model=tiny_model("llama", seed=0))
+    assert assisted.token_ids == plain.token_ids
+    assert 0 < assisted.decode_tokens < len(assisted.token_ids) - 1
