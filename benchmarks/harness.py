@@ -3,8 +3,10 @@
 A method turns (prompt ids, drafting documents, max new tokens) into a run: the tokens, the
 wall-clock time, the decode-only time and, for ours, the target forwards. For every item the
 methods run back to back in a rotating order, so machine noise hits all of them alike. Decode-only
-speed counts the tokens after the first over the time after the first token: prefill is the same
-work for every method and speculation cannot touch it. Runs also count their forwards by size, so
+speed counts the tokens after the first step over the time after it: prefill is the same work for
+every method. The first step is one token, except in transformers' assisted generation, which
+verifies its first draft inside the prefill forward (up to 21 tokens at once here): those tokens
+came with the prefill, not in decode time. Runs also count their forwards by size, so
 decode time can be modeled from cost curves pinned at the start (`modeled_decode_s`): wall-clock
 ratios show what a user gets, modeled ratios price the same forwards at a speed that does not drift.
 """

@@ -15,8 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 class TimedGeneration:
     token_ids: list[int]
     total_s: float
-    # From the first new tokens to the last: prefill is the same work for every method, and
-    # speculation cannot touch it.
+    # From the first new tokens to the last: prefill is the same work for every method.
     decode_s: float
     # The tokens emitted within decode_s: all but the first step's. Plain decoding's first step is
     # one token; assisted generation drafts before the prefill and verifies the draft inside it, so
