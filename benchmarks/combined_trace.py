@@ -7,7 +7,8 @@ its draft-model ledger.
 
 The last lines total, over all items, each source's verified nodes, their estimates and its
 accepted tokens, for Ouroboros alone and for the combined drafter, and the combined drafter's time
-per step by drafter. Each item is answered by
+per step by drafter, and how often the target took Ouroboros' draft tokens by the draft model's
+probability for them (per category, Ouroboros alone). Each item is answered by
 Ouroboros alone, then by the combined drafter (documents' trie, REST,
 Ouroboros; int8 0.5B draft, fp32 1.5B target), as in spec_bench.py's `ouroboros` and `combined`.
 A diagnostic: it reads the combined drafter's private ledger, which no API exposes.
@@ -16,6 +17,8 @@ A diagnostic: it reads the combined drafter's private ledger, which no API expos
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +27,7 @@ import torch
 from spec_bench import DEFAULT_DATA, load_items, open_datastore
 
 from rag_speculate import CombinedDrafter, NGramTrieDrafter, OuroborosDrafter, RESTDrafter, SpeculativeEngine
+from rag_speculate.drafters.ouroboros import DRAFT_SOURCE
 from rag_speculate.loading import int8_draft_model, load_model
 
 
@@ -44,11 +48,13 @@ def main() -> None:
     proposing = timed(combined)  # innermost: the trace's own logging is not counted
     steps = trace(combined)
     tallies = {"ouroboros": tally(ouroboros), "combined": tally(combined)}
+    judged = by_probability(ouroboros)
     combined_steps = 0
     ids = set(args.items.split(","))
     items = [it for it in load_items(engine, DEFAULT_DATA, args.categories.split(","), 10**6) if it.id in ids]
     engine.generate([1, 2, 3, 4], max_new_tokens=4)  # one-off costs, the cost curve
     for item in items:
+        judged.category = item.category
         for name, drafter in (("ouroboros", ouroboros), ("combined", combined)):
             drafter.attach(engine.tokenizer, engine.vocab_size)
             engine.drafter = drafter
@@ -64,6 +70,9 @@ def main() -> None:
     for name, counts in tallies.items():
         print(f"{name}, all items: verified nodes / expected tokens / accepted tokens by source: "
               + ", ".join(f"{source} {n} / {expected:.2f} / {accepted}" for source, (n, expected, accepted) in sorted(counts.items())))
+    for category, rows in judged.taken.items():
+        print(f"ouroboros, {category}: draft tokens the target took / judged, by the draft model's probability: "
+              + ", ".join(f"{lo}-{hi} {taken}/{n}" for (lo, hi), (taken, n) in zip(itertools.pairwise(BINS), rows) if n))
     bookkeeping = proposing.pop("combined") - sum(proposing.values())
     print("combined, all items: ms per step proposing and observing, by drafter: "
           + ", ".join(f"{n} {seconds / combined_steps * 1000:.2f}" for n, seconds in proposing.items())
@@ -86,6 +95,37 @@ def tally(drafter) -> dict[str, list]:
 
     drafter.observe = counted_observe
     return counts
+
+
+BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97, 1.0)
+
+
+class _Judged:
+    category = ""
+
+    def __init__(self) -> None:
+        self.taken: dict[str, list[list[int]]] = {}
+
+
+def by_probability(ouroboros: OuroborosDrafter) -> _Judged:
+    """Wraps `ouroboros` to count, per category and bin of the draft model's probability, its chain
+    tokens the target judged (up to the first rejected) and those it took."""
+    judged = _Judged()
+    observe = ouroboros.observe
+
+    def counted_observe(verification):
+        tree = verification.tree
+        chain = [i for i in range(len(tree)) if tree.source(i) == DRAFT_SOURCE]
+        agreed = min(len(verification.accepted_nodes), len(chain))
+        rows = judged.taken.setdefault(judged.category, [[0, 0] for _ in BINS[1:]])
+        for j, probability in enumerate(ouroboros._chain_confidence[: min(agreed + 1, len(chain))]):
+            row = rows[min(bisect.bisect_right(BINS, probability), len(BINS) - 1) - 1]
+            row[0] += j < agreed
+            row[1] += 1
+        observe(verification)
+
+    ouroboros.observe = counted_observe
+    return judged
 
 
 def timed(combined: CombinedDrafter) -> dict[str, float]:

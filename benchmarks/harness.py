@@ -5,7 +5,7 @@ wall-clock time, the decode-only time and, for ours, the target forwards. For ev
 methods run back to back in a rotating order, so machine noise hits all of them alike. Decode-only
 speed counts the tokens after the first step over the time after it: prefill is the same work for
 every method. The first step is one token, except in transformers' assisted generation, which
-verifies its first draft inside the prefill forward (up to 21 tokens at once here): those tokens
+verifies its first draft inside the prefill forward (up to 14 of 64 tokens here): those tokens
 came with the prefill, not in decode time. Runs also count their forwards by size, so
 decode time can be modeled from cost curves pinned at the start (`modeled_decode_s`): wall-clock
 ratios show what a user gets, modeled ratios price the same forwards at a speed that does not drift.
@@ -231,7 +231,7 @@ def modeled_decode_s(run: dict, costs: dict[str, dict]) -> float | None:
     """
     target = CostModel({int(q): s for q, s in costs["target"].items()}, learn=False)
     if run["method"] == "hf-greedy:fast":
-        return (len(run["tokens"]) - 1) * target(1)
+        return _decode_tokens(run) * target(1)
     if "forward_sizes" not in run:
         return None
     total = sum(n * target(int(q)) for q, n in run["forward_sizes"].items())
