@@ -246,6 +246,14 @@ def with_modeled(runs: list[dict], costs: dict[str, dict] | None) -> list[dict]:
     return [{**r, "modeled_decode_s": modeled_decode_s(r, costs)} for r in runs] if costs else runs
 
 
+def renamed(runs: list[dict], renames: dict[str, str]) -> list[dict]:
+    """One saved run's results with methods renamed OLD -> NEW, to pool an A/B's variant with the
+    method it was the code of in other runs; where a run has both, OLD's results replace NEW's."""
+    replaced = {new for old, new in renames.items() if any(r["method"] == old for r in runs)}
+    return [{**r, "method": renames.get(r["method"], r["method"])} for r in runs
+            if r["method"] in renames or r["method"] not in replaced]
+
+
 def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES) -> dict:
     """Per category and method: speeds, and the mean and median of per-item decode speed ratios to each
     of `bases`, also of modeled decode times where the runs have them (`with_modeled`)."""

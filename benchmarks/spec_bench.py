@@ -26,6 +26,7 @@ from harness import (
     measure,
     plot,
     reference_costs,
+    renamed,
     summarize,
     with_modeled,
 )
@@ -81,17 +82,23 @@ def main() -> None:
                         help="only re-render the table (and, for one file, the plot) of an earlier run; repeat to pool runs over other items")
     parser.add_argument("--bases", default=",".join(BASELINES),
                         help="methods the table divides by, where run (with --from-json e.g. `trie,ouroboros` to compare ours)")
+    parser.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                        help="with --from-json: method OLD counts as NEW (a variant that was the code NEW ran in other runs); "
+                             "in a file with both, OLD's results replace NEW's")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                         help="method NAME: another version of drafters/combined.py or drafters/ouroboros.py (an A/B), run as the "
                              "method NAME starts with (ouroboros-warm, ouroboros, else combined)")
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
     if args.from_json:
+        if any("=" not in r for r in args.rename):
+            raise SystemExit(f"--rename takes OLD=NEW, got {args.rename}")
+        renames = dict(r.split("=", 1) for r in args.rename)
         runs = []
         for path in args.from_json:
             saved = json.loads(path.read_text())
             # Each run's modeled time from its own file's pinned curves.
-            runs += with_modeled(saved["runs"], saved.get("reference_costs"))
+            runs += renamed(with_modeled(saved["runs"], saved.get("reference_costs")), renames)
         methods = list(dict.fromkeys(r["method"] for r in runs))
         bases = args.bases.split(",")
         summary = summarize(runs, methods, bases)

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from conftest import tiny_model
-from harness import modeled_decode_s, summarize, with_modeled
+from harness import modeled_decode_s, renamed, summarize, with_modeled
 
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel
@@ -87,3 +87,18 @@ def test_timed_assisted_generation_leaves_the_tokens_of_its_first_step_out_of_de
     assisted = timed_generate(model, ids, 24, assistant_model=tiny_model("llama", seed=0))
     assert assisted.token_ids == plain.token_ids
     assert 0 < assisted.decode_tokens < len(assisted.token_ids) - 1
+
+
+def test_a_renamed_variant_replaces_the_method_it_is_pooled_as():
+    def run(item, method, decode_s):
+        return {"item": item, "category": "qa", "method": method, "tokens": [0] * 9, "total_s": decode_s, "decode_s": decode_s,
+                "forwards": None, "identical": True}
+
+    # An A/B ran a patch as "ours" and the committed code as "ours-kept"; another run had the committed code as "ours".
+    ab = [run("a", "base", 2.0), run("a", "ours", 4.0), run("a", "ours-kept", 1.0)]
+    other = [run("b", "base", 2.0), run("b", "ours", 0.5)]
+    runs = renamed(ab, {"ours-kept": "ours"}) + renamed(other, {"ours-kept": "ours"})
+    assert sorted((r["item"], r["method"], r["decode_s"]) for r in runs) == [
+        ("a", "base", 2.0), ("a", "ours", 1.0), ("b", "base", 2.0), ("b", "ours", 0.5)]
+    block = summarize(runs, ["base", "ours"], bases=["base"])["qa"]["methods"]["ours"]
+    assert block["decode_speedup_vs_base_mean"] == pytest.approx((2.0 + 4.0) / 2)
