@@ -90,6 +90,8 @@ def main() -> None:
                              "method NAME starts with (ouroboros-warm, ouroboros, else combined)")
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
+    if args.rename and not args.from_json:
+        raise SystemExit("--rename renames methods of saved runs: it needs --from-json")
     if args.from_json:
         if any("=" not in r for r in args.rename):
             raise SystemExit(f"--rename takes OLD=NEW, got {args.rename}")
