@@ -285,6 +285,13 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
                     for source, n in r.get("accepted", {}).items():
                         accepted[source] += n
                 row[method]["accepted_by_source"] = dict(accepted)
+            if all("forward_sizes" in r for r in rs):
+                # Target forwards that verified no draft are plain decoding steps: where drafting paused or did not pay.
+                row[method]["forwards"] = {
+                    "target": sum(sum(r["forward_sizes"].values()) for r in rs),
+                    "without_draft": sum(r["forward_sizes"].get("1", 0) for r in rs),
+                    "draft": sum(sum(r.get("draft_forward_sizes", {}).values()) for r in rs),
+                }
             if all(r.get("modeled_decode_s") for r in rs):
                 # How much of the measured decode time the cost curves account for.
                 row[method]["modeled_share_of_decode"] = sum(r["modeled_decode_s"] for r in rs) / sum(r["decode_s"] for r in rs)
@@ -331,8 +338,9 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
     lines = [
         "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean ± 95% CI / median)" for b in bases)
         + "".join(f" | modeled x {b}" for b in modeled) + (" | modeled / measured" if modeled else "")
-        + " | tokens/forward | drafting / decode | accepted by source | identical to greedy | answer found |",
-        "|---|---|---|" + "---|" * (len(bases) + len(modeled) + bool(modeled)) + "---|---|---|---|---|",
+        + " | tokens/forward | forwards: target (without a draft) / draft model | drafting / decode | accepted by source"
+        + " | identical to greedy | answer found |",
+        "|---|---|---|" + "---|" * (len(bases) + len(modeled) + bool(modeled)) + "---|---|---|---|---|---|",
     ]
     for category, block in summary.items():
         for method in methods:
@@ -342,11 +350,13 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
             found = f"{m['answer_found']:.0%}" if "answer_found" in m else "-"
             per_forward = f"{m['tokens_per_forward']:.2f}" if m["tokens_per_forward"] else "-"
             drafting = f"{m['drafting_share_of_decode']:.1%}" if "drafting_share_of_decode" in m else "-"
+            counts = m.get("forwards")
+            forwards = f"{counts['target']} ({counts['without_draft']}) / {counts['draft']}" if counts else "-"
             sources = ", ".join(f"{k} {v}" for k, v in sorted(m.get("accepted_by_source", {}).items())) or "-"
             ratios = " | ".join([_ratio(m, "decode", b) for b in bases] + [_ratio(m, "modeled", b) for b in modeled])
             if modeled:
                 ratios += f" | {m['modeled_share_of_decode']:.2f}" if "modeled_share_of_decode" in m else " | -"
-            lines.append(f"| {category} (n={m['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | "
+            lines.append(f"| {category} (n={m['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | {forwards} | "
                          f"{drafting} | {sources} | {m['identical_to_greedy']:.0%} | {found} |")
     return "\n".join(lines)
 

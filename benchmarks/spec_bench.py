@@ -93,9 +93,7 @@ def main() -> None:
     if args.rename and not args.from_json:
         raise SystemExit("--rename renames methods of saved runs: it needs --from-json")
     if args.from_json:
-        if any("=" not in r for r in args.rename):
-            raise SystemExit(f"--rename takes OLD=NEW, got {args.rename}")
-        renames = dict(r.split("=", 1) for r in args.rename)
+        renames = _assignments(args.rename, "--rename", "OLD=NEW")
         runs = []
         for path in args.from_json:
             saved = json.loads(path.read_text())
@@ -115,9 +113,7 @@ def main() -> None:
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     if draft and args.draft_int8:
         draft = (int8_draft_model(draft[0]), draft[1])
-    if any("=" not in v for v in args.variant):
-        raise SystemExit(f"--variant takes NAME=FILE, got {args.variant}")
-    variants = {name: Path(file) for name, file in (v.split("=", 1) for v in args.variant)}
+    variants = {name: Path(file) for name, file in _assignments(args.variant, "--variant", "NAME=FILE").items()}
     methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft,
                             variants=variants)
     items = load_items(engine, args.data, args.categories.split(","), args.n, args.offset)
@@ -125,6 +121,12 @@ def main() -> None:
     costs = reference_costs(engine, draft[0] if draft else None)
     runs = measure(items, methods, args.max_new_tokens, engine.tokenizer)
     write(args, engine, runs, list(methods), title, {"reference_costs": costs}, bases=args.bases.split(","))
+
+
+def _assignments(values: list[str], flag: str, form: str) -> dict[str, str]:
+    if any("=" not in v for v in values):
+        raise SystemExit(f"{flag} takes {form}, got {values}")
+    return dict(v.split("=", 1) for v in values)
 
 
 def write(args: argparse.Namespace, engine: SpeculativeEngine, runs: list[dict], methods: list[str], title: str,

@@ -40,6 +40,8 @@ def test_summary_divides_modeled_times_per_item():
     assert row["decode_speedup_vs_plain_mean"] == pytest.approx((2.0 + 1.0) / 2)
     assert row["modeled_share_of_decode"] == pytest.approx(1.6 / 3.0)
     assert "modeled_speedup_vs_plain_mean" not in summarize(runs, ["plain", "drafted"], bases=["plain"])["qa"]["methods"]["drafted"]
+    # Forwards by kind, as the docs cite them: target forwards, those that verified no draft, draft-model forwards.
+    assert row["forwards"] == {"target": 4, "without_draft": 1, "draft": 0}
 
 
 def test_a_pinned_copy_of_a_cost_curve_stops_learning():
