@@ -7,6 +7,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct \\
         --dtype bfloat16 --context 1000 --sizes 1 2 4 8 16 32
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --context 500
+    python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --lean --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
 """
 
@@ -23,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from rag_speculate.cpu_linear import FastLinear
+from rag_speculate.lean_forward import LeanForward, lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
 
@@ -43,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
     parser.add_argument("--fast", action="store_true", help="linear layers through the engine's CPU kernels (cpu_linear.py)")
+    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
     return parser.parse_args()
 
 
@@ -59,12 +62,15 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False) -> float:
+def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False, lean: LeanForward | None = None) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
     synchronize(tokens.device)
     start = time.perf_counter()
     with FastLinear() if fast else contextlib.nullcontext():
-        model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
+        if lean is not None:
+            lean(tokens, cache, logits_to_keep=tokens.shape[1])
+        else:
+            model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
     synchronize(tokens.device)
     elapsed = time.perf_counter() - start
     # transformers 5 only accepts a negative count: the number of tokens to drop.
@@ -79,6 +85,11 @@ def main() -> None:
     model = load(args.model, DTYPES[args.dtype], args.device)
     if args.int8:
         model = int8_draft_model(model)
+    lean = None
+    if args.lean:
+        lean, reason = lean_forward(model)
+        if lean is None:
+            sys.exit(f"no lean forward for {args.model}: {reason}")
     device = model.device
     # Token identity does not affect the cost; avoid the special tokens at the top of the vocab.
     vocab = model.config.vocab_size - 1000
@@ -93,13 +104,13 @@ def main() -> None:
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     for tokens in inputs.values():
-        time_forward(model, cache, tokens, args.fast)  # warm-up: allocator, kernel selection
+        time_forward(model, cache, tokens, args.fast, lean)  # warm-up: allocator, kernel selection
     # Rounds over all sizes rather than all repeats of one size, so a burst of
     # load from another process hits every size alike instead of skewing one.
     runs: dict[int, list[float]] = {q: [] for q in args.sizes}
     for round_index in range(args.repeats):
         for q, tokens in inputs.items():
-            runs[q].append(time_forward(model, cache, tokens, args.fast))
+            runs[q].append(time_forward(model, cache, tokens, args.fast, lean))
         print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
     assert cache.get_seq_length() == args.context
     rows = [(q, statistics.median(times) * 1000, min(times) * 1000) for q, times in runs.items()]
@@ -108,7 +119,7 @@ def main() -> None:
     # Other processes on a small machine distort timings; the load average shows it.
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast linear)' if args.fast else ''}, {args.device}, {args.threads} threads, "
+        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast linear)' if args.fast else ''}{' (lean forward)' if args.lean else ''}, {args.device}, {args.threads} threads, "
         f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
     )
     # The minimum is the least disturbed run; a large gap to the median means noise.

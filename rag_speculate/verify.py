@@ -88,9 +88,12 @@ def sliding_window(cache: DynamicCache) -> int | None:
 class Verifier:
     """Runs prefill and verification forwards of one model, in tree or chain mode."""
 
-    def __init__(self, model: PreTrainedModel, *, fast_linear: bool = False):
+    def __init__(self, model: PreTrainedModel, *, fast_linear: bool = False, forward: Callable[..., torch.Tensor] | None = None):
+        """`forward` runs in place of the model's own (given the same arguments, it returns the logits):
+        a draft model's `LeanForward`. The target always runs its own."""
         self.model = model
         self.fast_linear = fast_linear
+        self._forward = forward
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -99,8 +102,7 @@ class Verifier:
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
         """Logits after the last input token (only that row: a full RAG prompt's logits would take GBs)."""
         ids = torch.tensor([input_ids], device=self.device)
-        with self._kernels():
-            return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(1)).logits[0, -1]
+        return self._logits(input_ids=ids, past_key_values=cache, **self._last_rows(1))[0, -1]
 
     def _last_rows(self, rows: int | None) -> dict:
         # Logits of rows nobody reads cost a vocabulary-sized product each (151k x 896 for a 0.5B Qwen).
@@ -114,27 +116,27 @@ class Verifier:
         """
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        with self._kernels():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
-                position_ids=tree_position_ids(tree, past, self.device),
-                past_key_values=cache,
-                use_cache=True,
-                **self._last_rows(last_rows),
-            )
-        return out.logits[0, -last_rows:] if last_rows else out.logits[0]
+        logits = self._logits(
+            input_ids=ids,
+            attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
+            position_ids=tree_position_ids(tree, past, self.device),
+            past_key_values=cache,
+            **self._last_rows(last_rows),
+        )[0]
+        return logits[-last_rows:] if last_rows else logits
 
     @torch.inference_mode()
     def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree, last_rows: int | None = None) -> torch.Tensor:
         """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        with self._kernels():
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._last_rows(last_rows)).logits[0]
+        logits = self._logits(input_ids=ids, past_key_values=cache, **self._last_rows(last_rows))[0]
         return logits[-last_rows:] if last_rows else logits
 
-    def _kernels(self) -> contextlib.AbstractContextManager:
-        return FastLinear() if self.fast_linear else contextlib.nullcontext()
+    def _logits(self, **inputs) -> torch.Tensor:
+        with FastLinear() if self.fast_linear else contextlib.nullcontext():
+            if self._forward is not None:
+                return self._forward(**inputs)
+            return self.model(**inputs, use_cache=True).logits
 
     @torch.inference_mode()
     def step(

@@ -69,6 +69,7 @@ from ..budget import AgreementRate, CostModel, agreement_trials, best_prefix
 from ..cpu_linear import fast_linear_works
 from ..datastore import tokenizer_fingerprint
 from ..errors import InvalidArgumentError
+from ..lean_forward import lean_forward
 from ..output import eos_token_ids
 from ..sampling import SamplingParams
 from ..tree import ROOT, DraftTree
@@ -93,7 +94,8 @@ _FALLBACK_MIN_SCORE = 0.4
 class OuroborosDrafter(Drafter):
     """Drafts with `draft_model`, which must share the target's tokenizer; see the module docstring.
 
-    `W` and `beta` size the pool built when `pool` is None; a given pool keeps its own.
+    `W` and `beta` size the pool built when `pool` is None; a given pool keeps its own. `lean=False`
+    runs the draft model through its own forward even where `lean_forward` fits it.
     """
 
     name = "ouroboros"
@@ -112,6 +114,7 @@ class OuroborosDrafter(Drafter):
         draft_tree_budget: int = 16,
         min_score: float | None = None,
         learn_from_context: bool = True,
+        lean: bool = True,
     ):
         for arg, value, least in (("gamma", gamma, 1), ("K", K, 0), ("draft_tree_budget", draft_tree_budget, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -134,7 +137,9 @@ class OuroborosDrafter(Drafter):
         # caller can judge whether the draft model pays for itself.
         self.last_propose_s = 0.0
         self.draft_forward_sizes: Counter[int] = Counter()
-        self._verifier = Verifier(draft_model, fast_linear=fast_linear_works(draft_model)[0])
+        # Why the draft model runs its own forward rather than the leaner one (`lean_forward`); "" when lean.
+        forward, self.lean_forward_skipped = lean_forward(draft_model) if lean else (None, "lean=False")
+        self._verifier = Verifier(draft_model, fast_linear=fast_linear_works(draft_model)[0], forward=forward)
         self._tree_attention = True
         self._draft_vocab = draft_model.get_input_embeddings().num_embeddings
         # Ids both models embed: the only ones proposed or fed as pool phrases (set by `attach`).

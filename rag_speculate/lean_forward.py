@@ -1,0 +1,174 @@
+"""A draft model's forward without transformers' per-module overhead, for Llama-family decoders.
+
+On this project's 2-core CPU a forward of the int8 0.5B Qwen draft over one token takes 55-70 ms
+through transformers, of which the linear layers take 25-34 ms: the rest is Python around some
+1000 small operators (module calls, attention dispatch, mask and cache bookkeeping). Drafting
+runs that forward once per sentence-draft phrase, so the draft model's cost bounds every method
+that drafts with it (docs/benchmarks.md §4). This forward computes the same operators on the
+same modules and KV cache in fewer calls; on that draft its logits are bit-identical to the
+model's own (tests/test_lean_forward.py checks a tiny Qwen2 and Llama to 1e-5).
+
+Only for drafting: the target always runs its own forward, so a mistake here could only cost
+accepted tokens, never change the output. Even so, `lean_forward` uses it only for models whose
+layers have the shape it computes and whose own forward it matches on a probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from .tree import DraftTree, tree_attention_mask
+from .verify import sliding_window
+
+# Of the largest logit, in float32: rounding differences only (a bf16 model rounds more).
+_PROBE_TOLERANCE = 1e-3
+
+
+class LeanForward:
+    """Logits of a Llama-family decoder (Llama, Qwen2, Mistral without sliding windows), computed
+    from its own modules; takes the arguments `Verifier` gives a model's forward."""
+
+    def __init__(self, model: PreTrainedModel):
+        inner = model.model
+        self._embed, self._rotary, self._norm, self._head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self._layers = [
+            (
+                layer.input_layernorm, _fused_qkv(layer.self_attn), _linear(layer.self_attn.o_proj), layer.post_attention_layernorm,
+                _linear(layer.mlp.gate_proj), _linear(layer.mlp.up_proj), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
+            )
+            for layer in inner.layers
+        ]  # fmt: skip
+        self._head = _linear(model.lm_head)
+        attention = inner.layers[0].self_attn
+        self._heads = model.config.num_attention_heads
+        self._kv_heads = model.config.num_key_value_heads
+        self._head_dim = attention.head_dim
+        self._scaling = attention.scaling
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: DynamicCache,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int | None = None,
+    ) -> torch.Tensor:
+        """Logits [1, rows, vocab] for `input_ids` [1, q] after the cache, which gains their keys and values."""
+        q = input_ids.shape[1]
+        past = past_key_values.get_seq_length()
+        h = self._embed(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + q, device=h.device)[None]
+        # A prefill attends causally; a chain after cached tokens needs the mask to say so.
+        causal = attention_mask is None and q > 1 and past == 0
+        if attention_mask is None and q > 1 and past:
+            attention_mask = tree_attention_mask(DraftTree.chain([0] * (q - 1)), past, h.dtype, h.device)
+        cos, sin = (t.unsqueeze(1) for t in self._rotary(h, position_ids))
+        heads, kv_heads = self._heads, self._kv_heads
+        for i, (norm1, qkv, o_proj, norm2, gate, up, down, act) in enumerate(self._layers):
+            x = _rms_norm(h, norm1)
+            projected = qkv(x).view(1, q, heads + 2 * kv_heads, self._head_dim).transpose(1, 2)
+            rotated = _rotate(projected[:, : heads + kv_heads], cos, sin)
+            key, value = past_key_values.update(rotated[:, heads:], projected[:, heads + kv_heads :], i)
+            mixed = F.scaled_dot_product_attention(rotated[:, :heads], key, value, attn_mask=attention_mask, is_causal=causal, scale=self._scaling, enable_gqa=True)
+            h = h + o_proj(mixed.transpose(1, 2).reshape(1, q, -1))
+            x = _rms_norm(h, norm2)
+            h = h + down(act(gate(x)) * up(x))
+        rows = logits_to_keep or q
+        return self._head(_rms_norm(h[:, -rows:], self._norm))
+
+
+def lean_forward(model: PreTrainedModel) -> tuple[LeanForward | None, str]:
+    """The lean forward for `model`, or None and why: its layers are not the shape computed here,
+    or their output differs from the model's own forward on a probe."""
+    reason = _unsupported(model)
+    if reason:
+        return None, reason
+    lean = LeanForward(model)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.tensor([[(7 * i + 3) % vocab for i in range(6)]], device=model.device)
+    with torch.inference_mode():
+        try:
+            # A prefill, then a step on top of the cache: both shapes drafting runs. In the same
+            # chunks for both, as an int8 model quantizes each forward's activations together.
+            ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+            got = torch.cat([lean(ids[:, :4], ours), lean(ids[:, 4:], ours)], dim=1).float()
+            want = torch.cat([model(input_ids=chunk, past_key_values=theirs).logits for chunk in (ids[:, :4], ids[:, 4:])], dim=1).float()
+        except Exception as exc:  # noqa: BLE001 - any failure means the lean forward does not fit this model
+            return None, f"the lean forward failed on a probe: {type(exc).__name__}: {exc}"
+    tolerance = max(_PROBE_TOLERANCE, 8 * torch.finfo(model.dtype).eps)
+    if (got - want).abs().max().item() > tolerance * (want.abs().max().item() + 1e-6):
+        return None, "the lean forward's logits differ from the model's own on a probe"
+    return lean, ""
+
+
+def _unsupported(model: PreTrainedModel) -> str:
+    inner = getattr(model, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "norm", "layers")
+    if inner is None or not hasattr(model, "lm_head") or not all(hasattr(inner, p) for p in parts):
+        return f"{type(model).__name__} is not a Llama-family decoder (model.embed_tokens, layers, norm, rotary_emb, lm_head)"
+    for layer in inner.layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not all(hasattr(attention, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+            return "its attention layers are not Llama's (q_proj, k_proj, v_proj, o_proj)"
+        if any(hasattr(attention, p) for p in ("q_norm", "k_norm", "sinks")) or getattr(attention, "sliding_window", None):
+            return "its attention normalises queries and keys, has sinks or a sliding window"
+        if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "its MLP layers are not gated (gate_proj, up_proj, down_proj)"
+        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+        if not all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms):
+            return "its layers lack RMS norms before attention and MLP"
+    if sliding_window(DynamicCache(config=model.config)) is not None:
+        return "it has sliding-window attention layers"
+    return ""
+
+
+def _fused_qkv(attention: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Queries, keys and values side by side. In int8, from one product: the three share their input,
+    and k and v are so small that a call of their own costs more than their weights (k: 128 x 896
+    for the 0.5B Qwen). Each row keeps its own tensor's scale, so the results are the same."""
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    if not all(_is_int8(p) for p in projections):
+        linears = [_linear(p) for p in projections]
+        return lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
+    weights, biases = zip(*(p._packed_params._weight_bias() for p in projections))
+    scales = torch.cat([torch.full((w.shape[0],), w.q_scale(), dtype=torch.double) for w in weights])
+    zero_points = torch.cat([torch.full((w.shape[0],), w.q_zero_point(), dtype=torch.long) for w in weights])
+    fused = torch._make_per_channel_quantized_tensor(torch.cat([w.int_repr() for w in weights]), scales, zero_points, 0)
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
+    packed = torch.ops.quantized.linear_prepack(fused, bias)
+    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)
+
+
+def _is_int8(module: torch.nn.Module) -> bool:
+    """torch.ao's dynamic int8 Linear, as `loading.int8_draft_model` makes (version 4: reduce_range)."""
+    packed = getattr(module, "_packed_params", None)
+    return packed is not None and packed.dtype == torch.qint8 and (getattr(module, "version", None) or 0) >= 4
+
+
+def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's product as one operator call: a module call costs more than the product of a
+    small draft model's layer for one token (int8: torch.ao's dynamic Linear, whose forward this repeats)."""
+    if _is_int8(module):
+        weights = module._packed_params._packed_params
+        return lambda x: torch.ops.quantized.linear_dynamic(x, weights, reduce_range=True)
+    if type(module) is torch.nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    return module
+
+
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

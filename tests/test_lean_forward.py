@@ -1,0 +1,92 @@
+"""The lean draft forward gives the model's own logits, and refuses models it does not compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from rag_speculate import OuroborosDrafter
+from rag_speculate.lean_forward import lean_forward
+from rag_speculate.loading import int8_draft_model
+from rag_speculate.tree import DraftTree, tree_attention_mask, tree_position_ids
+
+
+def _forwards(model, forward) -> list[torch.Tensor]:
+    """Logits of a prefill, a one-token step and a tree-masked step on top of it, through `forward`."""
+    cache = DynamicCache(config=model.config)
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 2])
+    tree_inputs = {
+        "attention_mask": tree_attention_mask(tree, 11, torch.float32, model.device),
+        "position_ids": tree_position_ids(tree, 11, model.device),
+    }
+    return [
+        forward(input_ids=torch.tensor([[(5 * i + 2) % VOCAB for i in range(10)]]), past_key_values=cache),
+        forward(input_ids=torch.tensor([[9]]), past_key_values=cache),
+        forward(input_ids=torch.tensor([[4, *tree.tokens]]), past_key_values=cache, **tree_inputs),
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_logits_are_the_models_own(arch, int8):
+    model = tiny_model(arch, seed=1)
+    if int8:
+        model = int8_draft_model(model)
+    lean, reason = lean_forward(model)
+    assert lean is not None, reason
+    with torch.inference_mode():
+        want = _forwards(model, lambda **inputs: model(**inputs, use_cache=True).logits)
+        got = _forwards(model, lean)
+    for ours, theirs in zip(got, want):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_only_the_last_rows_logits_are_computed_when_asked():
+    model = tiny_model("qwen2", seed=1)
+    lean, _ = lean_forward(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.inference_mode():
+        full = lean(ids, DynamicCache(config=model.config))
+        last = lean(ids, DynamicCache(config=model.config), logits_to_keep=1)
+    assert last.shape == (1, 1, VOCAB)
+    torch.testing.assert_close(last[0, 0], full[0, -1])
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, named",
+    [
+        ("gpt2", {}, "not a Llama-family decoder"),
+        ("gemma3", {}, "normalises queries and keys"),
+        ("mistral", {"sliding_window": 64}, "sliding-window"),
+    ],
+)
+def test_models_of_other_shapes_are_refused_with_the_reason(arch, overrides, named):
+    lean, reason = lean_forward(tiny_model(arch, **overrides))
+    assert lean is None
+    assert named in reason
+
+
+class _ShiftedNorm(LlamaRMSNorm):
+    """A norm computed otherwise than the lean forward assumes, as another model family might."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden_states) + 0.5
+
+
+def test_a_model_that_computes_otherwise_is_caught_by_the_probe():
+    model = tiny_model("llama", seed=1)
+    layer = model.model.layers[1]
+    norm = _ShiftedNorm(layer.post_attention_layernorm.weight.shape[0], eps=layer.post_attention_layernorm.variance_epsilon)
+    layer.post_attention_layernorm = norm
+    lean, reason = lean_forward(model)
+    assert lean is None
+    assert "differ from the model's own" in reason
+
+
+def test_ouroboros_drafts_through_the_lean_forward_where_it_fits(tokenizer):
+    assert OuroborosDrafter(tiny_model("llama"), tokenizer).lean_forward_skipped == ""
+    assert "not a Llama-family decoder" in OuroborosDrafter(tiny_model("gpt2"), tokenizer).lean_forward_skipped
+    assert OuroborosDrafter(tiny_model("llama"), tokenizer, lean=False).lean_forward_skipped == "lean=False"
