@@ -6,7 +6,8 @@ through transformers, of which the linear layers take 25-34 ms: the rest is Pyth
 runs that forward once per sentence-draft phrase, so the draft model's cost bounds every method
 that drafts with it (docs/benchmarks.md §4). This forward computes the same operators on the
 same modules and KV cache in fewer calls; on that draft its logits are bit-identical to the
-model's own (tests/test_lean_forward.py checks a tiny Qwen2 and Llama to 1e-5).
+model's own (tests/test_lean_forward.py checks tiny Llama, Qwen2 and Mistral models, in fp32
+and int8, to 1e-5).
 
 Only for drafting: the target always runs its own forward, so a mistake here could only cost
 accepted tokens, never change the output. Even so, `lean_forward` uses it only for models whose
@@ -34,7 +35,7 @@ class LeanForward:
 
     def __init__(self, model: PreTrainedModel):
         inner = model.model
-        self._embed, self._rotary, self._norm, self._head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self._embed, self._rotary, self._norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self._layers = [
             (
                 layer.input_layernorm, _fused_qkv(layer.self_attn), _linear(layer.self_attn.o_proj), layer.post_attention_layernorm,
@@ -131,7 +132,8 @@ def _unsupported(model: PreTrainedModel) -> str:
 def _fused_qkv(attention: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """Queries, keys and values side by side. In int8, from one product: the three share their input,
     and k and v are so small that a call of their own costs more than their weights (k: 128 x 896
-    for the 0.5B Qwen). Each row keeps its own tensor's scale, so the results are the same."""
+    for the 0.5B Qwen). Each row keeps its own tensor's scale, so the results are the same. The
+    fused weights are a copy (25 MB for that model); the model keeps its own."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if not all(_is_int8(p) for p in projections):
         linears = [_linear(p) for p in projections]
