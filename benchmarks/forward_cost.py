@@ -129,6 +129,19 @@ def main() -> None:
         print(f"| {q} | {ms:.1f} | {ms / q:.1f} | {ms / base:.2f} | {fastest:.1f} | {fastest / base_min:.2f} |")
     if args.fast:
         print_rounding(model, cache, torch.randint(0, vocab, (1, 16), device=device))
+    if lean is not None:
+        print_lean_difference(model, lean, cache, inputs)
+
+
+@torch.inference_mode()
+def print_lean_difference(model: PreTrainedModel, lean: LeanForward, cache: DynamicCache, inputs: dict[int, torch.Tensor]) -> None:
+    """How far the lean forward's logits land from the model's own, for each timed q on the same cache."""
+    for q, tokens in inputs.items():
+        own = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        cache.crop(-q)
+        difference = (lean(tokens, cache) - own).abs().max().item()
+        cache.crop(-q)
+        print(f"max |logit difference| of the lean forward from the model's own, q={q}: {difference:.2e}")
 
 
 @torch.inference_mode()

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from rag_speculate import OuroborosDrafter
+from rag_speculate.drafters.base import DraftContext
 from rag_speculate.lean_forward import lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.tree import DraftTree, tree_attention_mask, tree_position_ids
@@ -87,6 +88,16 @@ def test_a_model_that_computes_otherwise_is_caught_by_the_probe():
 
 
 def test_ouroboros_drafts_through_the_lean_forward_where_it_fits(tokenizer):
-    assert OuroborosDrafter(tiny_model("llama"), tokenizer).lean_forward_skipped == ""
+    draft = tiny_model("llama")
+    drafter = OuroborosDrafter(draft, tokenizer, min_score=0.0)
+    assert drafter.lean_forward_skipped == ""
+    drafter.attach(tokenizer, VOCAB)  # its tree-attention check runs the model's own forward as the reference
+    own, embedded = [], []
+    draft.register_forward_hook(lambda *_: own.append(1))
+    draft.get_input_embeddings().register_forward_hook(lambda *_: embedded.append(1))
+    ids = tokenizer.encode("the cat sat on the mat")
+    drafter.start(DraftContext(ids, [], VOCAB))
+    assert len(drafter.propose(ids, budget=4)) > 0
+    assert own == [] and len(embedded) >= 2  # the prefill and the draft forwards, none through the model's own
     assert "not a Llama-family decoder" in OuroborosDrafter(tiny_model("gpt2"), tokenizer).lean_forward_skipped
     assert OuroborosDrafter(tiny_model("llama"), tokenizer, lean=False).lean_forward_skipped == "lean=False"
