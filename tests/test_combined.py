@@ -176,6 +176,30 @@ def test_a_drafter_that_paces_itself_is_retried_after_one_slow_proposal():
     assert model.proposals > 2
 
 
+def test_one_bad_first_proposal_does_not_outweigh_earlier_generations():
+    trie = FixedDrafter("trie", DraftTree.empty())
+    chain = DraftTree([7, 8, 9, 6], [-1, 0, 1, 2], ["model"] * 4, [0.9] * 4)
+    model = FixedDrafter("model", chain, delay_s=0.01)
+    model.paces_itself = True
+    combined = CombinedDrafter([trie, model])
+
+    def generation(steps: int, first_delay_s: float) -> int:
+        combined.start(DraftContext([1], [], VOCAB))
+        before = model.proposals
+        for step in range(steps):
+            model.delay_s = first_delay_s if step == 0 else 0.01
+            tree = combined.propose([1], budget=16)
+            time.sleep(0.03)  # the target's forward
+            # The first proposal of the second generation is slow and rejected, like a long chain wrong at its start.
+            combined.observe(accepting(tree, [0] if step == 0 and first_delay_s > 0.01 else [7, 8, 9, 6, 0]))
+        return model.proposals - before
+
+    assert generation(10, 0.01) == 10
+    # Alone, that proposal would say 1 token per 0.13 s against 1 per 0.03 s without it; with ten
+    # steps of 5 tokens per 0.04 s behind it, it is asked again at once.
+    assert generation(6, 0.1) == 6
+
+
 def test_rejected_retrieval_drafts_are_trusted_less_until_verified_again():
     good = FixedDrafter("good", DraftTree([5], [-1], ["good"], [0.95]))
     junk = FixedDrafter("junk", DraftTree([8], [-1], ["junk"], [0.9]))

@@ -12,8 +12,8 @@ rescaling) compare with what was accepted on the nodes it ranked itself (and res
 that evidence fades only when its nodes are verified again, so a retrieval drafter whose drafts
 a translation rejects stays distrusted), and how many tokens per second the steps yield with it
 against without it (the tokens the other drafters' trees would have covered, over the time
-without its drafting). Each
-generation judges a drafter afresh, once it has drafted in a few steps (one rejected draft is no
+without its drafting). Each generation judges a drafter afresh, once it has drafted in a few
+steps, with earlier generations' averages weighing as a few steps (one rejected draft is no
 verdict: a draft model that helps at 0.4 tokens per step often misses its first); one that does
 not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
 that paces itself (`Drafter.paces_itself`: Ouroboros pauses for 1, 2, 4, ... proposals after a
@@ -48,6 +48,11 @@ _MEMORY = 0.9  # weight of the past in the running averages below, once they hol
 _CALIBRATION_PRIOR = 1.0
 _SELF_PACED_CALIBRATION_PRIOR = 4.0
 _TRIAL = 3  # steps a drafter drafts in each generation before it is judged
+# Samples' weight the averages of earlier generations keep when a generation starts: with none, a
+# generation's first proposal stood for the drafter alone (a draft model's 12-token chain rejected
+# at its second token, 520 ms for 1 token, kept it off a math answer it went on to draft 8 tokens
+# at a time: docs/benchmarks.md §4, "Earlier generations' averages").
+_CARRIED = 3
 # Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
 # that still does not pay. A retry costs a proposal (an int8 0.5B draft model: 50-150 ms here,
 # with catching up on the text it skipped, against a 350-500 ms target step); missing a drafter
@@ -76,7 +81,8 @@ class _Ledger:
         self.propose_s = 0.0
         self.with_tokens = self.without_tokens = 0.0
         self.own_tokens = 0.0  # accepted tokens from its own nodes, per step it drafted
-        self.samples = 0
+        self.samples = 0  # the weight of the averages above, in steps
+        self.trial = 0  # steps it drafted in this generation
         self.skipped_for = 0
         self.retry_after = _FIRST_RETRY
 
@@ -130,10 +136,11 @@ class CombinedDrafter(Drafter):
         for drafter in self.drafters:
             drafter.start(context)
             # Whether a drafter pays depends on the text (a draft model predicts arithmetic, not a
-            # translation), so it is judged afresh in each generation; its calibration and its
-            # cost carry over.
+            # translation), so it is judged afresh in each generation; its calibration carries
+            # over, and its averages as a few steps' worth of evidence.
             ledger = self._ledgers[drafter.name]
-            ledger.samples, ledger.skipped_for, ledger.retry_after = 0, 0, _FIRST_RETRY
+            ledger.samples = min(ledger.samples, _CARRIED)
+            ledger.trial, ledger.skipped_for, ledger.retry_after = 0, 0, _FIRST_RETRY
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         self._proposals = {}
@@ -240,6 +247,7 @@ class CombinedDrafter(Drafter):
             ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)
             ledger.without_tokens = _average(ledger.without_tokens, without, ledger.samples)
             ledger.samples += 1
+            ledger.trial += 1
             self._drafter(name).observe(projected)
 
     def _drafter(self, name: str) -> Drafter:
@@ -248,7 +256,7 @@ class CombinedDrafter(Drafter):
 
 def _judged(drafter: Drafter, ledger: _Ledger) -> bool:
     """Whether the drafter's averages so far decide if it is asked (rather than its trial or its own pacing)."""
-    return not drafter.paces_itself and ledger.samples >= _TRIAL
+    return not drafter.paces_itself and ledger.trial >= _TRIAL
 
 
 def _project(verification: Verification, tree: DraftTree, paths: list[Path], verified: dict[Path, int], accepted: Path) -> tuple[Verification, list[int]]:
