@@ -116,7 +116,7 @@ def by_probability(ouroboros: OuroborosDrafter) -> _Judged:
     def counted_observe(verification):
         tree = verification.tree
         chain = [i for i in range(len(tree)) if tree.source(i) == DRAFT_SOURCE]
-        agreed = min(len(verification.accepted_nodes), len(chain))
+        agreed = sum(tree.source(i) == DRAFT_SOURCE for i in verification.accepted_nodes)
         rows = judged.taken.setdefault(judged.category, [[0, 0] for _ in BINS[1:]])
         for j, probability in enumerate(ouroboros._chain_confidence[: min(agreed + 1, len(chain))]):
             row = rows[min(bisect.bisect_right(BINS, probability), len(BINS) - 1) - 1]

@@ -81,6 +81,16 @@ class DraftTree:
                 keep[i] = len(keep) - 1
         return self._subset([i for i in keep if i != ROOT], [keep[self.parents[i]] for i in keep if i != ROOT])
 
+    def best_first(self) -> DraftTree:
+        """The same tree, nodes listed by descending score (the order `truncated` and the engine's
+        budget read); a node never outscores its parent, and ties keep parents first."""
+        if not self.scores:
+            return self
+        depths = self.depths()
+        order = sorted(range(len(self)), key=lambda i: (-self.scores[i], depths[i], i))
+        position = {ROOT: ROOT} | {old: new for new, old in enumerate(order)}
+        return self._subset(order, [position[self.parents[i]] for i in order])
+
     def _subset(self, nodes: list[int], parents: list[int]) -> DraftTree:
         return DraftTree(
             [self.tokens[i] for i in nodes],

@@ -110,7 +110,8 @@ def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_sav
     ids = tokenizer.encode(PROMPTS[1])
     lengths = []
     for target_cost in (flat_cost(0.1), flat_cost(1000.0)):
-        drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, learn_from_context=False)
+        draft = tiny_model("llama", seed=3)
+        drafter = make_drafter(draft, tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False)
         drafter.attach(tokenizer, VOCAB)
         drafter.start(DraftContext(ids, [], VOCAB, target_cost))
         lengths.append(len(drafter.propose(ids, budget=16)))
@@ -168,7 +169,9 @@ def test_drafting_pauses_while_the_engine_verifies_none_of_it(tokenizer):
 
 def test_the_sentence_draft_is_the_draft_models_greedy_continuation_phrase_by_phrase(tokenizer):
     draft = tiny_model("llama", seed=3)
-    drafter = make_drafter(draft, tokenizer, gamma=12, beta=8, K=0, min_score=0.0, learn_from_context=False)
+    drafter = make_drafter(
+        draft, tokenizer, gamma=12, beta=8, K=0, alternatives=0, min_score=0.0, learn_from_context=False
+    )
     drafter.attach(tokenizer, VOCAB)
     ids = tokenizer.encode(PROMPTS[1])
     expected = hf_greedy(draft, ids, 12)
@@ -190,7 +193,7 @@ def test_the_sentence_draft_is_the_draft_models_greedy_continuation_phrase_by_ph
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_output_the_draft_cache_lacks_rides_with_the_first_draft_forward(arch, tokenizer):
     draft = tiny_model(arch, seed=3)
-    drafter = make_drafter(draft, tokenizer, gamma=6, K=0, min_score=0.0, learn_from_context=False)
+    drafter = make_drafter(draft, tokenizer, gamma=6, K=0, alternatives=0, min_score=0.0, learn_from_context=False)
     drafter.attach(tokenizer, VOCAB)
     ids = tokenizer.encode(PROMPTS[1])
     expected = hf_greedy(draft, ids, 6)
@@ -207,7 +210,8 @@ def test_output_the_draft_cache_lacks_rides_with_the_first_draft_forward(arch, t
 
 def test_scores_are_best_first_and_the_target_sees_chain_then_suffixes(tokenizer):
     drafter = make_drafter(
-        tiny_model("llama", seed=3), tokenizer, gamma=4, beta=4, K=3, min_score=0.0, learn_from_context=False
+        tiny_model("llama", seed=3), tokenizer, gamma=4, beta=4, K=3, alternatives=0, min_score=0.0,
+        learn_from_context=False,
     )
     drafter.attach(tokenizer, VOCAB)
     ids = tokenizer.encode(PROMPTS[1])
@@ -231,12 +235,55 @@ def test_scores_are_best_first_and_the_target_sees_chain_then_suffixes(tokenizer
     assert tree.truncated(n + 2, 100).tokens[n:] == [5, 10]
 
 
+def test_the_draft_models_next_best_tokens_hang_beside_the_chain(tokenizer):
+    draft = tiny_model("llama", seed=3)
+    drafter = make_drafter(draft, tokenizer, gamma=4, K=0, min_score=0.0, learn_from_context=False)
+    drafter.attach(tokenizer, VOCAB)
+    ids = tokenizer.encode(PROMPTS[1])
+    drafter.start(DraftContext(ids, [], VOCAB))
+    tree = drafter.propose(ids, budget=16)
+    chain = [i for i, source in enumerate(tree.sources) if source == "draft_model"]
+    assert [tree.tokens[i] for i in chain] == hf_greedy(draft, ids, 4)
+    assert all(a >= b for a, b in zip(tree.scores, tree.scores[1:]))
+    with torch.inference_mode():
+        logits = draft(torch.tensor([ids + [tree.tokens[i] for i in chain]])).logits[0, len(ids) - 1 :]
+    beside = {}
+    for i, source in enumerate(tree.sources):
+        if source == "draft_alternative":
+            beside.setdefault(tree.parents[i], []).append(tree.tokens[i])
+    # Beside each chain token, under the same parent, the draft model's second choice there.
+    assert beside == {([-1, *chain][j]): [logits[j].topk(2).indices[1].item()] for j in range(4)}
+
+    # The target takes the alternative to the first token: the draft model delivered, no pause.
+    alternative = next(i for i in range(len(tree)) if tree.parents[i] == -1 and tree.sources[i] == "draft_alternative")
+    verification = target_says(tree, {-1: tree.tokens[alternative], alternative: 1})
+    assert verification.accepted_tokens == [tree.tokens[alternative], 1]
+    drafter.observe(verification)
+    tokens = ids + verification.accepted_tokens
+    tree = drafter.propose(tokens, budget=16)
+    assert len(tree) > 0
+    # The engine verified only an alternative (it outranked the chain token beside it), which the
+    # target took: drafting goes on.
+    alternative = next(i for i in range(len(tree)) if tree.parents[i] == -1 and tree.sources[i] == "draft_alternative")
+    only = DraftTree([tree.tokens[alternative]], [-1], ["draft_alternative"], [tree.scores[alternative]])
+    drafter.observe(target_says(only, {-1: only.tokens[0], 0: 2}))
+    tokens = [*tokens, only.tokens[0], 2]
+    tree = drafter.propose(tokens, budget=16)
+    assert len(tree) > 0
+    # It missed both: drafting pauses for one proposal.
+    first = [i for i in range(len(tree)) if tree.parents[i] == -1]
+    miss = next(t for t in range(VOCAB) if t not in [tree.tokens[i] for i in first])
+    drafter.observe(target_says(tree, {-1: miss}))
+    assert len(drafter.propose([*tokens, miss], budget=16)) == 0
+
+
 # --- inspiration and refinement ------------------------------------------------------------
 
 
 def test_candidate_inspiration_takes_the_targets_phrases_after_the_first_rejection(tokenizer):
     drafter = make_drafter(
-        tiny_model("llama", seed=3), tokenizer, gamma=8, beta=4, K=0, min_score=0.0, learn_from_context=False
+        tiny_model("llama", seed=3), tokenizer, gamma=8, beta=4, K=0, alternatives=0, min_score=0.0,
+        learn_from_context=False,
     )
     ids = tokenizer.encode(PROMPTS[1])
     drafter.start(DraftContext(ids, [], VOCAB))
@@ -257,7 +304,8 @@ def test_candidate_inspiration_takes_the_targets_phrases_after_the_first_rejecti
 
 def test_candidate_refinement_replaces_suffixes_with_the_targets_tokens(tokenizer):
     drafter = make_drafter(
-        tiny_model("llama", seed=3), tokenizer, gamma=1, beta=4, K=3, min_score=0.0, learn_from_context=False
+        tiny_model("llama", seed=3), tokenizer, gamma=1, beta=4, K=3, alternatives=0, min_score=0.0,
+        learn_from_context=False,
     )
     ids = tokenizer.encode(PROMPTS[1])
     drafter.start(DraftContext(ids, [], VOCAB))
@@ -400,7 +448,7 @@ def test_engine_refuses_a_draft_model_with_other_token_ids(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("argument", "value"), [("gamma", 0), ("K", -1), ("draft_tree_budget", 1.5), ("min_score", 2.0)]
+    ("argument", "value"), [("gamma", 0), ("K", -1), ("draft_tree_budget", 1.5), ("alternatives", -1), ("min_score", 2.0)]
 )
 def test_drafter_refuses_invalid_arguments(argument, value, tokenizer):
     with pytest.raises(InvalidArgumentError, match=argument):

@@ -1,6 +1,6 @@
 """Ouroboros (Zhao et al., 2024): a small draft model, sped up and extended by a phrase pool.
 
-A proposal has the paper's two parts:
+A proposal has the paper's two parts, and one of ours:
 
 - Sentence draft. The draft model extends the context phrase by phrase: in ONE draft forward it
   checks the pool's phrases that start with the last token (merged by common prefixes, tree
@@ -9,6 +9,9 @@ A proposal has the paper's two parts:
   model, one token per forward. It stops once the draft holds `gamma` tokens.
 - Longer draft. The `K` newest pool phrases starting with the sentence draft's last token hang
   after it as candidate suffixes, so the target verifies draft and suffixes in its one forward.
+- Beyond the paper, the draft model's next-best token at each chain position hangs beside the
+  chain token there (`alternatives`): its probability is already computed, it costs no draft
+  forward, and where the draft model hesitates the target's one forward checks both.
 
 After the target's verification (`observe`):
 
@@ -21,7 +24,8 @@ model's own probability for each token, scaled by a factor counted from verifica
 target's agreement relates to the draft's confidence; as transformers' assisted generation stops
 at a confidence threshold, the chain stops where this estimate no longer pays); suffix nodes
 multiply the chain end's score by their share of the candidates and a separate, lower suffix rate
-per token. The pool persists across generations (the paper's
+per token; an alternative's is the chance the target reaches its position times its own
+calibrated probability. The pool persists across generations (the paper's
 warm start) and can be saved with `PhrasePool.save`.
 
 Simplified from the paper, for a 2-core CPU where every token fed to a forward costs:
@@ -80,8 +84,10 @@ from .frequency_trie import best_subtree, frequency_trie
 from .phrase_pool import Phrase, PhrasePool, PhrasePoolError
 
 DRAFT_SOURCE = "draft_model"
+ALTERNATIVE_SOURCE = "draft_alternative"
 POOL_SOURCE = "pool"
 _GREEDY = SamplingParams()
+Alternative = tuple[int, float]  # a token the draft model ranked below its choice, and its probability
 # Priors of the acceptance rates: how often the target takes a suffix candidate's next token, and
 # how often the draft model takes a pool phrase's next token.
 _SUFFIX_PRIOR = 0.5
@@ -96,7 +102,8 @@ class OuroborosDrafter(Drafter):
     """Drafts with `draft_model`, which must share the target's tokenizer; see the module docstring.
 
     `W` and `beta` size the pool built when `pool` is None; a given pool keeps its own. `lean=False`
-    runs the draft model through its own forward even where `lean_forward` fits it.
+    runs the draft model through its own forward even where `lean_forward` fits it. `alternatives`:
+    how many of the draft model's next-best tokens hang beside each chain token (0: a chain only).
     """
 
     name = "ouroboros"
@@ -113,13 +120,15 @@ class OuroborosDrafter(Drafter):
         K: int = 3,
         pool: PhrasePool | None = None,
         draft_tree_budget: int = 16,
+        alternatives: int = 1,
         min_score: float | None = None,
         learn_from_context: bool = True,
         lean: bool = True,
     ):
-        for arg, value, least in (("gamma", gamma, 1), ("K", K, 0), ("draft_tree_budget", draft_tree_budget, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise InvalidArgumentError(f"{arg} must be an integer >= {least}, got {value!r}")
+        least = {"gamma": 1, "K": 0, "draft_tree_budget": 0, "alternatives": 0}
+        for arg, value in zip(least, (gamma, K, draft_tree_budget, alternatives)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least[arg]:
+                raise InvalidArgumentError(f"{arg} must be an integer >= {least[arg]}, got {value!r}")
         if min_score is not None and not 0 <= min_score <= 1:
             raise InvalidArgumentError(f"min_score must be in [0, 1] or None (from measured costs), got {min_score}")
         self.draft_model = draft_model.eval()
@@ -127,6 +136,7 @@ class OuroborosDrafter(Drafter):
         self.gamma = gamma
         self.K = K
         self.draft_tree_budget = draft_tree_budget
+        self.alternatives = alternatives
         # None: the measured cost of a draft forward over the target's (see `_score_floor`).
         self.min_score = min_score
         self._floor = self._score_floor(None)
@@ -148,6 +158,7 @@ class OuroborosDrafter(Drafter):
         self._eos = eos_token_ids(draft_model, draft_tokenizer)
         # The rates describe the model pair, not one request, so they outlive generations.
         self._calibration = _Calibration()
+        self._alternative_calibration = _Calibration()
         self._suffix_rate = AgreementRate(prior=_SUFFIX_PRIOR)
         self._pool_rate = AgreementRate(prior=_POOL_PRIOR)
         self._reset()
@@ -164,6 +175,8 @@ class OuroborosDrafter(Drafter):
         self._chain_length = 0
         self._chain_scores: list[float] = []
         self._chain_confidence: list[float] = []
+        # Per chain position, the draft model's next-best tokens and its probability for each.
+        self._chain_alternatives: list[list[Alternative]] = []
         # Per generation: the engine also cuts drafts to the tokens a generation has left.
         self._depth = _DepthLimit(self.gamma)
         self._suffixes: list[Phrase] = []
@@ -187,6 +200,8 @@ class OuroborosDrafter(Drafter):
             )
         # Embedding tables may be padded past the tokenizer differently: propose only ids both embed.
         self._vocab_size = min(self._draft_vocab, vocab_size)
+        # Its drafts are only checked: a forward whose logits move with the rows beside it (int8)
+        # can still draft through a tree.
         self._tree_attention, _ = self._verifier.supports_tree_attention()
 
     def start(self, context: DraftContext) -> None:
@@ -224,6 +239,7 @@ class OuroborosDrafter(Drafter):
         chain = self._sentence_draft(self._rollback(tokens[:-1]), tokens[-1], length)[:budget]
         self._chain_length = len(chain)
         self._chain_scores = self._chain_scores[: len(chain)]
+        self._chain_alternatives = self._chain_alternatives[: len(chain)]
         if budget > len(chain) and chain[-1] not in self._eos:
             self._suffixes = self._usable(self.pool.candidates(chain[-1], self.K))
         return self._longer_draft(chain, budget)
@@ -254,14 +270,15 @@ class OuroborosDrafter(Drafter):
         (int8 0.5B here: 44 ms at 1 token, 62 ms at 8), a forward of its own a whole one.
         """
         first, draft, score = root, [], 1.0
-        self._chain_scores, self._chain_confidence = [], []
+        self._chain_scores, self._chain_confidence, self._chain_alternatives = [], [], []
         while len(draft) < length and score >= self._floor:
-            tokens, confidence = self._draft_step(pending, root)
+            tokens, confidence, alternatives = self._draft_step(pending, root)
             pending = []
             for c in confidence:
                 score *= self._calibration.estimate(c)
                 self._chain_scores.append(score)
             self._chain_confidence.extend(confidence)
+            self._chain_alternatives.extend(alternatives)
             draft.extend(tokens)
             root = tokens[-1]
             if any(t in self._eos for t in tokens):
@@ -273,9 +290,10 @@ class OuroborosDrafter(Drafter):
         return draft
 
     @torch.inference_mode()
-    def _draft_step(self, pending: list[int], root: int) -> tuple[list[int], list[float]]:
+    def _draft_step(self, pending: list[int], root: int) -> tuple[list[int], list[float], list[list[Alternative]]]:
         """One draft forward: feed `pending`, check the pool's phrases after `root`, keep the longest
-        agreed plus one token; returns those tokens and the draft model's probability of each."""
+        agreed plus one token; returns those tokens, the draft model's probability of each, and
+        its next-best tokens at each of their positions with their probabilities."""
         phrases = self._usable(self.pool.candidates(root))
         tree = self._pool_tree(phrases)
         window = sliding_window(self._cache)
@@ -298,7 +316,11 @@ class OuroborosDrafter(Drafter):
             self._pool_rate.observe(*agreement_trials(step))
         self._refresh_best(phrases, step.accepted_tokens[:-1])
         rows = logits[[0, *(i + 1 for i in step.accepted_nodes)], : self._vocab_size].float()
-        return step.accepted_tokens, torch.softmax(rows, dim=-1).amax(dim=-1).tolist()
+        # Greedy drafting: the first of the top tokens is the drafted one.
+        top = torch.softmax(rows, dim=-1).topk(1 + self.alternatives, dim=-1)
+        probabilities, ids = top.values.tolist(), top.indices.tolist()
+        alternatives = [list(zip(row_ids[1:], row_p[1:])) for row_ids, row_p in zip(ids, probabilities)]
+        return step.accepted_tokens, [row[0] for row in probabilities], alternatives
 
     def _pool_tree(self, phrases: list[Phrase]) -> DraftTree:
         """The phrases' continuations as one tree, cut to the best-first nodes that pay for their cost."""
@@ -343,17 +365,36 @@ class OuroborosDrafter(Drafter):
     # --- the target's draft -------------------------------------------------------------------
 
     def _longer_draft(self, chain: list[int], budget: int) -> DraftTree:
-        """The chain, then the suffix candidates hung after its last token, scores best-first."""
+        """The chain, the suffix candidates hung after its last token, and the draft model's
+        next-best tokens beside each chain token, the `budget` best by score, best first.
+
+        An alternative costs no draft forward, only its place in the target's: where the draft
+        model hesitates between two tokens, the target's forward checks both.
+        """
         tails = [p[1:] for p in self._suffixes]
         suffix = _phrase_tree(tails, budget - len(chain), self._suffix_rate.rate, POOL_SOURCE, self._chain_scores[-1])
-        return _after_chain(chain, suffix, [DRAFT_SOURCE] * len(chain), self._chain_scores)
+        tree = _after_chain(chain, suffix, [DRAFT_SOURCE] * len(chain), self._chain_scores)
+        reach = [1.0, *self._chain_scores]  # the estimate that the target reaches each chain position
+        beside = [
+            (token, j - 1 if j else ROOT, reach[j] * self._alternative_calibration.estimate(p))
+            for j, options in enumerate(self._chain_alternatives)
+            for token, p in options
+        ]
+        if not beside:
+            return tree
+        tokens, parents, scores = (list(column) for column in zip(*beside))
+        sources = tree.sources + [ALTERNATIVE_SOURCE] * len(tokens)
+        tree = DraftTree(tree.tokens + tokens, tree.parents + parents, sources, tree.scores + scores)
+        return tree.best_first().truncated(budget)
 
     def observe(self, verification: Verification) -> None:
         tree = verification.tree
         chain = [i for i in range(len(tree)) if tree.source(i) == DRAFT_SOURCE]
-        agreed = min(len(verification.accepted_nodes), len(chain))  # the accepted path runs down the chain first
+        # The accepted path runs down the chain first, then into a suffix or an alternative.
+        agreed = sum(tree.source(i) == DRAFT_SOURCE for i in verification.accepted_nodes)
+        taken = self._observe_alternatives(verification, agreed)
         if self._chain_length:
-            self._depth.observe(self._chain_length, len(chain), agreed)
+            self._depth.observe(self._chain_length, len(chain), agreed + taken)
         if not chain:
             return
         trials = agreed + (agreed < len(chain))
@@ -364,6 +405,21 @@ class OuroborosDrafter(Drafter):
                 suffix_agreed, trials = agreement_trials(verification)
                 self._suffix_rate.observe(suffix_agreed - agreed, trials - agreed)
             self._refine(verification, chain[-1])
+
+    def _observe_alternatives(self, verification: Verification, agreed: int) -> int:
+        """Calibrate the alternatives the target reached (those beside the first `agreed + 1` chain
+        tokens) against the draft model's probabilities for them; returns how many it took (0 or 1)."""
+        tree, depths, taken, expected, trials = verification.tree, verification.tree.depths(), 0, 0.0, 0
+        accepted = set(verification.accepted_nodes)
+        for i in range(len(tree)):
+            if tree.source(i) == ALTERNATIVE_SOURCE and depths[i] <= agreed + 1:
+                token = tree.tokens[i]
+                expected += dict(self._chain_alternatives[depths[i] - 1])[token]
+                taken += i in accepted
+                trials += 1
+        if trials:
+            self._alternative_calibration.observe(taken, expected)
+        return taken
 
     def _inspire(self, verification: Verification, chain: list[int], agreed: int) -> None:
         """After the first rejected draft token, each run of `beta - 1` draft tokens the target agrees
@@ -458,7 +514,9 @@ class _DepthLimit:
             self.depth = self.most
         else:
             self._next_pause = 1
-            self.depth = min(verified + 1, self.most) if verified == proposed else verified
+            # At least one: the engine may have verified only an alternative, which outranked the
+            # chain token beside it, and a depth of 0 would end drafting for the generation.
+            self.depth = min(verified + 1, self.most) if verified == proposed else max(verified, 1)
 
 
 def _after_chain(chain: list[int], tree: DraftTree, sources: list[str] | None = None, scores: list[float] | None = None) -> DraftTree:
