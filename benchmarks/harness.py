@@ -40,6 +40,7 @@ from rag_speculate import (
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel, best_prefix
 from rag_speculate.cpu_linear import FastLinear, fast_linear_works
+from rag_speculate.lean_forward import lean_forward
 from rag_speculate.tree import ROOT
 from rag_speculate.verify import Verifier
 
@@ -206,16 +207,19 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
     """Seconds per forward by tokens fed, of the target (through the engine's kernels) and of the draft
     model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
 
-    def curve(model, fast: bool, max_q: int) -> dict[int, float]:
-        verifier = Verifier(model, fast_linear=fast)
-        forward = verifier.timed_forward(verifier.supports_tree_attention()[0])
+    def curve(model, fast: bool, max_q: int, exact: bool = True, forward=None) -> dict[int, float]:
+        verifier = Verifier(model, fast_linear=fast, forward=forward)
+        forward = verifier.timed_forward(verifier.supports_tree_attention(exact=exact)[0])
         tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
         return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
 
     costs = {"target": curve(engine.model, engine.fast_linear, engine.draft_budget + 1)}
     if draft_model is not None:
         # A draft forward feeds the output accepted since the last one, the root and the pool's tree.
-        costs["draft"] = curve(draft_model, fast_linear_works(draft_model)[0], 33)
+        # As OuroborosDrafter runs it: through the lean forward where that fits, in tree mode where
+        # the drafting check passes (exact=False).
+        lean = lean_forward(draft_model)[0]
+        costs["draft"] = curve(draft_model, fast_linear_works(draft_model)[0], 33, exact=False, forward=lean)
     return costs
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHARS, VOCAB, char_tokenizer, hf_greedy, tiny_model
+from transformers import LlamaForCausalLM
 
 from rag_speculate import (
     DraftContext,
@@ -21,7 +22,7 @@ from rag_speculate import (
 from rag_speculate.budget import CostModel
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.sampling import SamplingParams
-from rag_speculate.verify import Verification, accept
+from rag_speculate.verify import Verification, Verifier, accept
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, Einstein published"]
 
@@ -104,6 +105,38 @@ def test_an_int8_draft_model_keeps_the_output_identical(tokenizer):
     assert result.token_ids == hf_greedy(target, ids, 40)
     # Quantized, the copy of the target still predicts it: its drafts get accepted.
     assert result.stats.accepted_tokens["draft_model"] > 10
+
+
+class IgnoresCustomMasks(LlamaForCausalLM):
+    """Stands for a draft model whose forward drops a 4D mask and attends causally."""
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        return super().forward(*args, attention_mask=None, **kwargs)
+
+
+@pytest.mark.parametrize(("kind", "fed"), [("int8", 1 + 6), ("ignores masks", 1 + 3)])
+def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_mask(kind, fed, tokenizer):
+    base = tiny_model("llama", seed=3)
+    if kind == "int8":
+        # int8 quantizes a forward's rows together, so its logits move with the rows beside them and
+        # the target's exact check fails; the mask is honoured all the same.
+        draft = int8_draft_model(base)
+        assert not Verifier(draft).supports_tree_attention()[0]
+    else:
+        draft = IgnoresCustomMasks(base.config).eval()
+        draft.load_state_dict(base.state_dict())
+    # Its own forward (the lean one honours masks whatever the model's forward does).
+    drafter = make_drafter(
+        draft, tokenizer, gamma=1, K=0, alternatives=0, min_score=0.0, learn_from_context=False, lean=False
+    )
+    drafter.attach(tokenizer, VOCAB)
+    ids = tokenizer.encode(PROMPTS[1])
+    for phrase in ((ids[-1], 5, 6, 7), (ids[-1], 8, 9, 10)):
+        drafter.pool.add(phrase)
+    drafter.start(DraftContext(ids, [], VOCAB))
+    drafter.propose(ids, budget=16)
+    # One draft forward: the root and both phrases' tokens, or only the longest branch's.
+    assert drafter.draft_forward_sizes == {fed: 1}
 
 
 def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_save(tokenizer):

@@ -202,7 +202,7 @@ class OuroborosDrafter(Drafter):
         self._vocab_size = min(self._draft_vocab, vocab_size)
         # Its drafts are only checked: a forward whose logits move with the rows beside it (int8)
         # can still draft through a tree.
-        self._tree_attention, _ = self._verifier.supports_tree_attention()
+        self._tree_attention, _ = self._verifier.supports_tree_attention(exact=False)
 
     def start(self, context: DraftContext) -> None:
         """Fresh draft cache, holding the prompt; the pool and the learnt rates are kept (warm start)."""
