@@ -9,6 +9,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --lean --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
+    python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --tree --context 500
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from rag_speculate.cpu_linear import FastLinear
 from rag_speculate.lean_forward import LeanForward, lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
+from rag_speculate.tree import DraftTree
+from rag_speculate.verify import Verifier
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -46,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
     parser.add_argument("--fast", action="store_true", help="linear layers through the engine's CPU kernels (cpu_linear.py)")
     parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
+    parser.add_argument("--tree", action="store_true",
+                        help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (verify.Verifier)")
     return parser.parse_args()
 
 
@@ -62,12 +67,18 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_forward(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False, lean: LeanForward | None = None) -> float:
+def time_forward(
+    model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False, lean: LeanForward | None = None,
+    verifier: Verifier | None = None,
+) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
     synchronize(tokens.device)
     start = time.perf_counter()
     with FastLinear() if fast else contextlib.nullcontext():
-        if lean is not None:
+        if verifier is not None:
+            ids = tokens[0].tolist()
+            verifier.forward_tree(cache, ids[0], DraftTree.chain(ids[1:]))
+        elif lean is not None:
             lean(tokens, cache, logits_to_keep=tokens.shape[1])
         else:
             model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
@@ -90,6 +101,7 @@ def main() -> None:
         lean, reason = lean_forward(model)
         if lean is None:
             sys.exit(f"no lean forward for {args.model}: {reason}")
+    verifier = Verifier(model, fast_linear=args.fast, forward=lean) if args.tree else None
     device = model.device
     # Token identity does not affect the cost; avoid the special tokens at the top of the vocab.
     vocab = model.config.vocab_size - 1000
@@ -104,13 +116,13 @@ def main() -> None:
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     for tokens in inputs.values():
-        time_forward(model, cache, tokens, args.fast, lean)  # warm-up: allocator, kernel selection
+        time_forward(model, cache, tokens, args.fast, lean, verifier)  # warm-up: allocator, kernel selection
     # Rounds over all sizes rather than all repeats of one size, so a burst of
     # load from another process hits every size alike instead of skewing one.
     runs: dict[int, list[float]] = {q: [] for q in args.sizes}
     for round_index in range(args.repeats):
         for q, tokens in inputs.items():
-            runs[q].append(time_forward(model, cache, tokens, args.fast, lean))
+            runs[q].append(time_forward(model, cache, tokens, args.fast, lean, verifier))
         print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
     assert cache.get_seq_length() == args.context
     rows = [(q, statistics.median(times) * 1000, min(times) * 1000) for q, times in runs.items()]
@@ -119,7 +131,7 @@ def main() -> None:
     # Other processes on a small machine distort timings; the load average shows it.
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast linear)' if args.fast else ''}{' (lean forward)' if args.lean else ''}, {args.device}, {args.threads} threads, "
+        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast linear)' if args.fast else ''}{' (lean forward)' if args.lean else ''}{' (tree-shaped, as verified)' if args.tree else ''}, {args.device}, {args.threads} threads, "
         f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
     )
     # The minimum is the least disturbed run; a large gap to the median means noise.

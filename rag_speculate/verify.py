@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,6 +86,32 @@ def sliding_window(cache: DynamicCache) -> int | None:
     return min(windows) if windows else None
 
 
+# transformers' own switch: SDPA reads grouped key/value heads even where a mask is given.
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextlib.contextmanager
+def _shared_kv_heads(device: torch.device):
+    """On CPU, let transformers' SDPA attention read a tree's keys and values once per group of heads.
+
+    Given a mask, transformers copies every layer's cached keys and values once per query head
+    sharing them (`repeat_kv`: 2 x 3 MB per layer of the 1.5B Qwen at 500 tokens) before calling
+    torch's SDPA, whose CPU kernel takes the mask and the grouped heads directly (`enable_gqa`) with
+    bit-identical results (tests/test_verify.py). Plain decoding and transformers' own verification
+    pass no mask and never copy; without this, a 5-token tree forward of that model spent 10-15 ms
+    more outside its linear layers than with it (docs/benchmarks.md §1.3). Scoped to the forward:
+    on GPUs a mask with grouped heads would leave the fused kernels.
+    """
+    if device.type != "cpu" or _FORCE_GQA in os.environ:
+        yield
+        return
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_FORCE_GQA, None)
+
+
 class Verifier:
     """Runs prefill and verification forwards of one model, in tree or chain mode."""
 
@@ -116,13 +143,14 @@ class Verifier:
         """
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        logits = self._logits(
-            input_ids=ids,
-            attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
-            position_ids=tree_position_ids(tree, past, self.device),
-            past_key_values=cache,
-            **self._last_rows(last_rows),
-        )[0]
+        with _shared_kv_heads(self.device):
+            logits = self._logits(
+                input_ids=ids,
+                attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
+                position_ids=tree_position_ids(tree, past, self.device),
+                past_key_values=cache,
+                **self._last_rows(last_rows),
+            )[0]
         return logits[-last_rows:] if last_rows else logits
 
     @torch.inference_mode()

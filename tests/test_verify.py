@@ -1,0 +1,54 @@
+"""The verifier's tree forward: what it asks of transformers' attention, and that it changes no logits."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from conftest import tiny_model
+from transformers.integrations import sdpa_attention
+
+from rag_speculate.tree import DraftTree
+from rag_speculate.verify import Verifier, keep_cache_entries, make_cache
+
+TREE = DraftTree([11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 3, -1])
+
+
+def _tree_logits(verifier: Verifier) -> torch.Tensor:
+    cache = make_cache(verifier.model)
+    verifier.prefill(cache, [(7 * i + 3) % 96 for i in range(40)])
+    logits = verifier.forward_tree(cache, 5, TREE)
+    keep_cache_entries(cache, len(TREE) + 1, [0, 1, 2])
+    return logits
+
+
+def test_tree_forward_reads_grouped_heads_without_copies_and_the_same_logits(monkeypatch):
+    model = tiny_model("qwen2")  # 4 query heads share 2 key/value heads
+    assert model.config._attn_implementation == "sdpa"
+    verifier = Verifier(model)
+    copied = _tree_logits_with_copies(monkeypatch, verifier)
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("the tree forward copied keys and values per query head")
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", no_copies)
+    assert torch.equal(_tree_logits(verifier), copied)
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ  # switched on for the forward only
+
+
+def _tree_logits_with_copies(monkeypatch, verifier: Verifier) -> torch.Tensor:
+    """transformers' own path with a mask (the one without the switch), for reference."""
+    calls = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", lambda mask, key, value: mask is None)
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(1) or repeat_kv(*a))
+    logits = _tree_logits(verifier)
+    monkeypatch.undo()
+    assert calls
+    return logits
+
+
+def test_a_users_own_switch_is_left_as_it_was(monkeypatch):
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    _tree_logits(Verifier(tiny_model("qwen2")))
+    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
