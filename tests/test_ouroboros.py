@@ -287,7 +287,7 @@ def test_the_draft_models_next_best_tokens_hang_beside_the_chain(tokenizer):
     # Beside each chain token, under the same parent, the draft model's second choice there.
     assert beside == {([-1, *chain][j]): [logits[j].topk(2).indices[1].item()] for j in range(4)}
 
-    # The target takes the alternative to the first token: the draft model delivered, no pause.
+    # The target takes the alternative to the first token: the draft model delivered.
     alternative = next(i for i in range(len(tree)) if tree.parents[i] == -1 and tree.sources[i] == "draft_alternative")
     verification = target_says(tree, {-1: tree.tokens[alternative], alternative: 1})
     assert verification.accepted_tokens == [tree.tokens[alternative], 1]
@@ -303,11 +303,18 @@ def test_the_draft_models_next_best_tokens_hang_beside_the_chain(tokenizer):
     tokens = [*tokens, only.tokens[0], 2]
     tree = drafter.propose(tokens, budget=16)
     assert len(tree) > 0
-    # It missed both: drafting pauses for one proposal.
+    # It missed both: the target verified and rejected them, and drafting goes on, in full.
     first = [i for i in range(len(tree)) if tree.parents[i] == -1]
     miss = next(t for t in range(VOCAB) if t not in [tree.tokens[i] for i in first])
     drafter.observe(target_says(tree, {-1: miss}))
-    assert len(drafter.propose([*tokens, miss], budget=16)) == 0
+    tokens = [*tokens, miss]
+    tree = drafter.propose(tokens, budget=16)
+    assert tree.sources.count("draft_model") == 4
+    # The engine verified none of it (no prefix paid): drafting pauses for one proposal.
+    drafter.observe(target_says(DraftTree.empty(), {-1: 3}))
+    tokens = [*tokens, 3]
+    assert len(drafter.propose(tokens, budget=16)) == 0
+    assert len(drafter.propose([*tokens, 4], budget=16)) > 0
 
 
 # --- inspiration and refinement ------------------------------------------------------------

@@ -17,7 +17,7 @@ steps, with earlier generations' averages weighing as a few steps (one rejected 
 verdict: a draft model that helps at 0.4 tokens per step often misses its first); one that does
 not pay is skipped, and tried again after 4, 8, ... 64 steps. A drafter
 that paces itself (`Drafter.paces_itself`: Ouroboros pauses for 1, 2, 4, ... proposals after a
-rejected draft and is back after any accepted token) is not judged so: averages over a
+draft the engine verified none of and is back after any verified one) is not judged so: averages over a
 translation miss the short stretches where the draft model predicts it. It is still retried on
 that schedule where the per-step test below kept it off.
 

@@ -40,7 +40,7 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
   floor: the draft forward's measured cost over the target's (`DraftContext.target_cost`), since
   a token accepted with probability s saves s target steps; `min_score` pins it. It also stops at
   the depth the engine verified last time (it verifies only the prefix of a draft that pays for
-  its target forward; drafting deeper wastes draft forwards). When the target accepts none of a
+  its target forward; drafting deeper wastes draft forwards). When the engine verifies none of a
   draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
 - The draft model drafts greedily, also when the target samples (verification stays exact).
 
@@ -93,7 +93,7 @@ Alternative = tuple[int, float]  # a token the draft model ranked below its choi
 _SUFFIX_PRIOR = 0.5
 _POOL_PRIOR = 0.75
 _CALIBRATION_MEMORY = 0.95  # per proposal: the calibration follows the text being generated
-_MAX_PAUSE = 64  # proposals skipped at most after the target accepted none of a draft
+_MAX_PAUSE = 64  # proposals skipped at most after the engine verified none of a draft
 # The score floor when the target's costs are unknown: 0.5b fp32 drafting for 1.5b fp32 here.
 _FALLBACK_MIN_SCORE = 0.4
 
@@ -488,10 +488,13 @@ class _DepthLimit:
     target forward, so drafting deeper than it verifies wastes draft forwards.
 
     After a chain verified whole, one token deeper is allowed (a probe); after a cut, the depth the
-    engine kept. When the target accepted none of it (or the engine verified none), drafting pauses
-    for 1, 2, 4, ... proposals, then probes in full: a draft forward costs a third of a target
-    forward here in fp32 (an eighth in int8), so text the draft model cannot predict must not keep
-    paying for it.
+    engine kept. When the engine verified none of a chain (no prefix paid for its place in the
+    target's forward) and the target took none of its alternatives, drafting pauses for 1, 2, 4,
+    ... proposals, then probes in full. A draft the target verified and rejected does not pause
+    drafting: the calibration already lowers the next estimates, and here a draft forward costs a
+    tenth of a target step (int8, lean forward) and a second row of the target's forward another
+    tenth, so the next draft still pays where the draft model is right a fifth of the time
+    (docs/benchmarks.md section 4, "Drafting on after a rejected draft").
     """
 
     def __init__(self, most: int):
@@ -508,12 +511,14 @@ class _DepthLimit:
         return self.depth
 
     def observe(self, proposed: int, verified: int, agreed: int) -> None:
-        if agreed == 0:
+        if verified == agreed == 0:
             self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, _MAX_PAUSE)
-            # The probe after the pause drafts in full: a short one may never pay to verify.
-            self.depth = self.most
         else:
             self._next_pause = 1
+        if agreed == 0:
+            # A short draft after a miss or a pause may never pay to verify: the next one drafts in full.
+            self.depth = self.most
+        else:
             # At least one: the engine may have verified only an alternative, which outranked the
             # chain token beside it, and a depth of 0 would end drafting for the generation.
             self.depth = min(verified + 1, self.most) if verified == proposed else max(verified, 1)
