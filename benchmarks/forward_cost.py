@@ -101,7 +101,8 @@ def main() -> None:
         lean, reason = lean_forward(model)
         if lean is None:
             sys.exit(f"no lean forward for {args.model}: {reason}")
-    verifier = Verifier(model, fast_linear=args.fast, forward=lean) if args.tree else None
+    # time_forward already runs it inside the fast kernels' mode where asked.
+    verifier = Verifier(model, forward=lean) if args.tree else None
     device = model.device
     # Token identity does not affect the cost; avoid the special tokens at the top of the vocab.
     vocab = model.config.vocab_size - 1000

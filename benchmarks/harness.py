@@ -91,10 +91,15 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
         draft_sizes = sum((d.draft_forward_sizes - b for d, b in zip(draft_models, drafted_before)), Counter())
         return {"tokens": result.token_ids, "total_s": time.perf_counter() - started, "decode_s": s.decode_s,
                 "decode_tokens": s.new_tokens - 1, "forwards": s.target_forwards, "drafting_s": s.drafting_s, "draft_setup_s": s.draft_setup_s,
-                "accepted": dict(s.accepted_tokens), "forward_sizes": dict(s.forward_sizes),
-                "draft_forward_sizes": dict(draft_sizes)}
+                "accepted": dict(s.accepted_tokens), "forward_sizes": _by_size(s.forward_sizes),
+                "draft_forward_sizes": _by_size(draft_sizes)}
 
     return run
+
+
+def _by_size(counts: Counter[int]) -> dict[str, int]:
+    # Sizes as JSON gives them back, so a summary reads a run the same before and after saving.
+    return {str(q): n for q, n in counts.items()}
 
 
 def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore: Datastore | None = None,

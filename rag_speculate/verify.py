@@ -98,8 +98,8 @@ def _shared_kv_heads(device: torch.device):
     sharing them (`repeat_kv`: 2 x 3 MB per layer of the 1.5B Qwen at 500 tokens) before calling
     torch's SDPA, whose CPU kernel takes the mask and the grouped heads directly (`enable_gqa`) with
     bit-identical results (tests/test_verify.py). Plain decoding and transformers' own verification
-    pass no mask and never copy; without this, a 5-token tree forward of that model spent 10-15 ms
-    more outside its linear layers than with it (docs/benchmarks.md §1.3). Scoped to the forward:
+    pass no mask and never copy; with the copies, a 5-token tree forward of that model took about
+    20 ms more (docs/benchmarks.md §1.3). Scoped to the forward:
     on GPUs a mask with grouped heads would leave the fused kernels.
     """
     if device.type != "cpu" or _FORCE_GQA in os.environ:

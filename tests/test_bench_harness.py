@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from conftest import tiny_model
-from harness import modeled_decode_s, renamed, summarize, with_modeled
+from harness import engine_method, modeled_decode_s, renamed, summarize, with_modeled
 
+from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel
 
@@ -104,3 +106,16 @@ def test_a_renamed_variant_replaces_the_method_it_is_pooled_as():
         ("a", "base", 2.0), ("a", "ours", 1.0), ("b", "base", 2.0), ("b", "ours", 0.5)]
     block = summarize(runs, ["base", "ours"], bases=["base"])["qa"]["methods"]["ours"]
     assert block["decode_speedup_vs_base_mean"] == pytest.approx((2.0 + 4.0) / 2)
+
+
+def test_a_fresh_run_summarizes_as_its_saved_copy(tokenizer):
+    """Forward sizes keyed as JSON gives them back: the in-process summary counts forwards without a draft too."""
+    model = tiny_model("llama")
+    engine = SpeculativeEngine(model, tokenizer)
+    text = "the quick brown fox. the quick brown fox. the quick"
+    run = engine_method(engine, NGramTrieDrafter())(tokenizer.encode(text), [text], 24)
+    run.update(item="a", category="qa", method="trie", identical=True)
+    fresh = summarize([run], ["trie"], bases=[])["qa"]["methods"]["trie"]["forwards"]
+    saved = summarize(json.loads(json.dumps([run])), ["trie"], bases=[])["qa"]["methods"]["trie"]["forwards"]
+    assert fresh == saved
+    assert fresh["without_draft"] == run["forward_sizes"]["1"] > 0
