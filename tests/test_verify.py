@@ -5,21 +5,19 @@ from __future__ import annotations
 import os
 
 import torch
-from conftest import tiny_model
+from conftest import VOCAB, tiny_model
 from transformers.integrations import sdpa_attention
 
 from rag_speculate.tree import DraftTree
-from rag_speculate.verify import Verifier, keep_cache_entries, make_cache
+from rag_speculate.verify import Verifier, make_cache
 
 TREE = DraftTree([11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 3, -1])
 
 
 def _tree_logits(verifier: Verifier) -> torch.Tensor:
     cache = make_cache(verifier.model)
-    verifier.prefill(cache, [(7 * i + 3) % 96 for i in range(40)])
-    logits = verifier.forward_tree(cache, 5, TREE)
-    keep_cache_entries(cache, len(TREE) + 1, [0, 1, 2])
-    return logits
+    verifier.prefill(cache, [(7 * i + 3) % VOCAB for i in range(40)])
+    return verifier.forward_tree(cache, 5, TREE)
 
 
 def test_tree_forward_reads_grouped_heads_without_copies_and_the_same_logits(monkeypatch):
