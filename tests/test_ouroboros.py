@@ -57,21 +57,26 @@ def target_says(tree: DraftTree, choices: dict[int, int], default: int = 1) -> V
 
 
 @pytest.mark.parametrize(
-    ("arch", "draft_overrides"),
+    ("arch", "draft_overrides", "lookahead"),
     [
-        ("llama", {}),
-        ("qwen2", {}),
-        ("gpt2", {}),
-        ("gemma3", {}),  # sliding-window layers in the draft cache
+        ("llama", {}, 0),
+        ("qwen2", {}, 0),
+        ("gpt2", {}, 0),
+        ("gemma3", {}, 0),  # sliding-window layers in the draft cache
         # Embedding tables padded differently: the draft may argmax ids the target lacks, and the
         # target may emit ids the draft cannot read.
-        ("llama", {"vocab_size": VOCAB + 24}),
-        ("llama", {"vocab_size": 80}),
+        ("llama", {"vocab_size": VOCAB + 24}, 0),
+        ("llama", {"vocab_size": 80}, 0),
+        # Lookahead decoding's window in every draft forward.
+        ("qwen2", {}, 3),
+        ("gemma3", {}, 3),
+        ("llama", {"vocab_size": 80}, 3),
     ],
 )
-def test_greedy_output_matches_generate(arch, draft_overrides, tokenizer):
+def test_greedy_output_matches_generate(arch, draft_overrides, lookahead, tokenizer):
     target = tiny_model(arch, seed=0)
-    drafter = make_drafter(tiny_model(arch, seed=1, num_hidden_layers=1, **draft_overrides), tokenizer, min_score=0.0)
+    draft = tiny_model(arch, seed=1, num_hidden_layers=1, **draft_overrides)
+    drafter = make_drafter(draft, tokenizer, min_score=0.0, lookahead=lookahead, lookahead_ngram=3)
     engine = make_engine(target, tokenizer, drafter)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
@@ -137,6 +142,34 @@ def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_ma
     drafter.propose(ids, budget=16)
     # One draft forward: the root and both phrases' tokens, or only the longest branch's.
     assert drafter.draft_forward_sizes == {fed: 1}
+
+
+def test_the_lookahead_window_puts_the_draft_models_own_ngrams_in_the_pool(tokenizer):
+    draft = tiny_model("llama", seed=3)
+    drafter = make_drafter(
+        draft, tokenizer, K=0, alternatives=0, min_score=0.0, learn_from_context=False, lookahead=3, lookahead_ngram=3
+    )
+    drafter.attach(tokenizer, VOCAB)
+    ids = tokenizer.encode(PROMPTS[1])
+    drafter.start(DraftContext(ids[:-1], [], VOCAB))
+    # Two levels of guesses for the 3 tokens after the root and the 3 after those, shifted by one.
+    levels = [[5, 6, 7], [8, 9, 10]]
+    drafter._window.levels = [list(level) for level in levels]
+
+    tokens, _, _ = drafter._draft_step([], ids[-1])
+
+    def greedy_next(sequence: list[int]) -> int:
+        return int(draft(torch.tensor([sequence])).logits[0, -1].argmax())
+
+    # Column i continues level 0 up to i, then its own guess below: its output is the draft model's
+    # greedy token there, and the column with its output is a 3-gram of the draft model's text.
+    outputs = [greedy_next(ids + levels[0][: i + 1] + [levels[1][i]]) for i in range(3)]
+    assert sorted(drafter.pool) == sorted((levels[0][i], levels[1][i], outputs[i]) for i in range(3))
+    # The oldest level goes, the outputs come in as the newest.
+    assert drafter._window.levels == [levels[1], outputs]
+    # The window's rows ride in the same draft forward and change nothing the draft model drafts.
+    assert drafter.draft_forward_sizes == {1 + 6: 1}
+    assert tokens[0] == greedy_next(ids)
 
 
 def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_save(tokenizer):
@@ -488,8 +521,22 @@ def test_engine_refuses_a_draft_model_with_other_token_ids(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("argument", "value"), [("gamma", 0), ("K", -1), ("draft_tree_budget", 1.5), ("alternatives", -1), ("min_score", 2.0)]
+    ("argument", "value"),
+    [
+        ("gamma", 0),
+        ("K", -1),
+        ("draft_tree_budget", 1.5),
+        ("alternatives", -1),
+        ("min_score", 2.0),
+        ("lookahead", -1),
+        ("lookahead_ngram", 1),
+    ],
 )
 def test_drafter_refuses_invalid_arguments(argument, value, tokenizer):
     with pytest.raises(InvalidArgumentError, match=argument):
         OuroborosDrafter(tiny_model("llama"), tokenizer, **{argument: value})
+
+
+def test_drafter_refuses_lookahead_ngrams_longer_than_the_pools_phrases(tokenizer):
+    with pytest.raises(InvalidArgumentError, match="lookahead_ngram must be at most the pool's beta=4"):
+        OuroborosDrafter(tiny_model("llama"), tokenizer, beta=4, lookahead=2, lookahead_ngram=5)

@@ -30,9 +30,14 @@ warm start) and can be saved with `PhrasePool.save`.
 
 Simplified from the paper, for a 2-core CPU where every token fed to a forward costs:
 
-- Lookahead decoding's Jacobi window, which the paper runs inside each draft forward to harvest
-  n-grams for the pool, is not run. The pool learns instead from the draft model's own sentence
-  drafts, the accepted output, the prompt and documents, inspiration and refinement.
+- Lookahead decoding's Jacobi window (Fu et al., 2023), which the paper runs inside each draft
+  forward to harvest n-grams for the pool, is off by default (`lookahead=0`): each of its
+  `lookahead * (lookahead_ngram - 1)` rows costs the int8 draft forward about 3 ms against 28 ms
+  for a forward of one token, so the paper's window (20 columns of 8-grams, 140 rows) would make
+  every draft forward about 15 times dearer, and small windows (4 and 12 rows) did not cut draft
+  forwards (docs/benchmarks.md section 4, "Lookahead decoding's window"). Without it the pool
+  learns from the draft model's own sentence drafts, the accepted output, the prompt and
+  documents, inspiration and refinement.
 - A draft forward checks only the pool nodes that pay for their cost: up to `draft_tree_budget`
   best-first, cut by `budget.best_prefix` with the draft model's timed cost curve and the rate at
   which it has agreed with pool phrases (the paper checks all W candidates).
@@ -86,6 +91,7 @@ from .phrase_pool import Phrase, PhrasePool, PhrasePoolError
 DRAFT_SOURCE = "draft_model"
 ALTERNATIVE_SOURCE = "draft_alternative"
 POOL_SOURCE = "pool"
+LOOKAHEAD_SOURCE = "lookahead"
 _GREEDY = SamplingParams()
 Alternative = tuple[int, float]  # a token the draft model ranked below its choice, and its probability
 # Priors of the acceptance rates: how often the target takes a suffix candidate's next token, and
@@ -104,6 +110,8 @@ class OuroborosDrafter(Drafter):
     `W` and `beta` size the pool built when `pool` is None; a given pool keeps its own. `lean=False`
     runs the draft model through its own forward even where `lean_forward` fits it. `alternatives`:
     how many of the draft model's next-best tokens hang beside each chain token (0: a chain only).
+    `lookahead`: columns of lookahead decoding's Jacobi window run in every draft forward (0: none),
+    which adds `lookahead` phrases of `lookahead_ngram` tokens to the pool per forward.
     """
 
     name = "ouroboros"
@@ -124,9 +132,12 @@ class OuroborosDrafter(Drafter):
         min_score: float | None = None,
         learn_from_context: bool = True,
         lean: bool = True,
+        lookahead: int = 0,
+        lookahead_ngram: int = 4,
     ):
-        least = {"gamma": 1, "K": 0, "draft_tree_budget": 0, "alternatives": 0}
-        for arg, value in zip(least, (gamma, K, draft_tree_budget, alternatives)):
+        least = {"gamma": 1, "K": 0, "draft_tree_budget": 0, "alternatives": 0, "lookahead": 0, "lookahead_ngram": 2}
+        values = (gamma, K, draft_tree_budget, alternatives, lookahead, lookahead_ngram)
+        for arg, value in zip(least, values):
             if not isinstance(value, int) or isinstance(value, bool) or value < least[arg]:
                 raise InvalidArgumentError(f"{arg} must be an integer >= {least[arg]}, got {value!r}")
         if min_score is not None and not 0 <= min_score <= 1:
@@ -142,6 +153,13 @@ class OuroborosDrafter(Drafter):
         self._floor = self._score_floor(None)
         self.learn_from_context = learn_from_context
         self.pool = pool if pool is not None else PhrasePool(W, beta)
+        if lookahead and lookahead_ngram > self.pool.beta:
+            raise InvalidArgumentError(
+                f"lookahead_ngram must be at most the pool's beta={self.pool.beta} (its longest phrase), "
+                f"got {lookahead_ngram}"
+            )
+        self.lookahead = lookahead
+        self.lookahead_ngram = lookahead_ngram
         # Draft forward cost by tokens fed, timed at the first `start`; assign one to pin it (tests).
         self.cost_model: CostModel | None = None
         # Seconds the last `propose` spent, and the draft forwards run so far by tokens fed, so a
@@ -180,6 +198,7 @@ class OuroborosDrafter(Drafter):
         # Per generation: the engine also cuts drafts to the tokens a generation has left.
         self._depth = _DepthLimit(self.gamma)
         self._suffixes: list[Phrase] = []
+        self._window = _JacobiWindow(self.lookahead, self.lookahead_ngram)
 
     def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         fingerprint = tokenizer_fingerprint(tokenizer)
@@ -297,11 +316,13 @@ class OuroborosDrafter(Drafter):
         phrases = self._usable(self.pool.candidates(root))
         tree = self._pool_tree(phrases)
         window = sliding_window(self._cache)
-        fed = len(self._cached) + len(pending) + self.draft_tree_budget + 2
+        fed = len(self._cached) + len(pending) + self.draft_tree_budget + self._window.rows + 2
         if self._tree_attention and (window is None or fed < window):
             forward = self._verifier.forward_tree
+            comb = self._window.tree(self._feedable([*self._cached, *pending, root]))
         else:
-            tree, forward = tree.longest_branch(), self._verifier.forward_chain
+            tree, forward, comb = tree.longest_branch(), self._verifier.forward_chain, DraftTree.empty()
+        pool_nodes, tree = len(tree), _side_by_side(tree, comb)
         first, *forced = self._feedable([*pending, root])
         started = time.perf_counter()
         # The pending tokens and the root lead the tree as a chain; only the rows from the root on are read.
@@ -312,8 +333,15 @@ class OuroborosDrafter(Drafter):
         self._costs().observe(len(forced) + len(tree) + 1, time.perf_counter() - started)
         self.draft_forward_sizes[len(forced) + len(tree) + 1] += 1
         self._cached.extend([*pending, root, *step.accepted_tokens[:-1]])
-        if tree.tokens:
-            self._pool_rate.observe(*agreement_trials(step))
+        if pool_nodes:
+            # The agreement with the pool's phrases alone: a path into the window's guesses is none.
+            in_pool = step.accepted_nodes if step.accepted_nodes and step.accepted_nodes[0] < pool_nodes else []
+            pool_tree = DraftTree(tree.tokens[:pool_nodes], tree.parents[:pool_nodes])
+            self._pool_rate.observe(*agreement_trials(Verification(pool_tree, in_pool, [], [])))
+        if comb.tokens:
+            outputs = [step.target_tokens[pool_nodes + row + 1] for row in self._window.last_level_rows()]
+            for phrase in self._usable(self._window.advance(outputs)):
+                self.pool.add(phrase)
         self._refresh_best(phrases, step.accepted_tokens[:-1])
         rows = logits[[0, *(i + 1 for i in step.accepted_nodes)], : self._vocab_size].float()
         # Greedy drafting: the first of the top tokens is the drafted one.
@@ -462,6 +490,56 @@ class OuroborosDrafter(Drafter):
         self._learned = len(tokens)
 
 
+class _JacobiWindow:
+    """Lookahead decoding's 2D window (Fu et al., 2023): `levels` rows of `columns` guesses ahead of
+    the draft's root, refined by one Jacobi iteration per draft forward.
+
+    Column i of level j guesses the token i + j + 1 places after the root, given level 0's columns
+    up to i and the column's own guesses above j: so the window is a tree (level 0 a chain from the
+    root, each column hanging below it) and runs inside the draft forward's tree attention. Each
+    forward's outputs at the last level become a new level and the oldest level is dropped; once
+    the window is full, each column's guesses plus its output are an n-gram of the draft model's
+    own text, for the pool. The window moves one place per forward while the root moves by the
+    tokens the forward accepted, so guesses go stale after a long step (lookahead decoding does the
+    same); they are only candidates, and the draft model checks level 0 as a draft of its own.
+    """
+
+    def __init__(self, columns: int, ngram: int):
+        self.columns = columns
+        self.ngram = ngram
+        self.levels: list[list[int]] = []
+
+    @property
+    def rows(self) -> int:
+        return self.columns * (self.ngram - 1)
+
+    def tree(self, context: Sequence[int]) -> DraftTree:
+        """The window's guesses, level by level (node j * columns + i is column i of level j); on first
+        use in a generation, level 0 is the last tokens of `context` (any guess will do)."""
+        c = self.columns
+        if not c:
+            return DraftTree.empty()
+        if not self.levels:
+            tail = list(context[-c:])
+            self.levels = [(tail * c)[:c]]
+        parents = [i - 1 for i in range(c)] + [(j - 1) * c + i for j in range(1, len(self.levels)) for i in range(c)]
+        tokens = [t for level in self.levels for t in level]
+        return DraftTree(tokens, parents, [LOOKAHEAD_SOURCE] * len(tokens), [0.0] * len(tokens))
+
+    def last_level_rows(self) -> range:
+        """The nodes of `tree` whose next tokens are this iteration's outputs."""
+        return range((len(self.levels) - 1) * self.columns, len(self.levels) * self.columns)
+
+    def advance(self, outputs: list[int]) -> list[Phrase]:
+        """Take one forward's outputs at the last level; returns the n-grams the window completed."""
+        ngrams: list[Phrase] = []
+        if len(self.levels) == self.ngram - 1:
+            ngrams = [tuple(level[i] for level in self.levels) + (outputs[i],) for i in range(self.columns)]
+            self.levels.pop(0)
+        self.levels.append(outputs)
+        return ngrams
+
+
 class _Calibration:
     """How the target's acceptance of a draft token relates to the draft model's probability for it:
     estimate = min(1, factor * probability), the factor counted from verifications (faded each step)."""
@@ -532,6 +610,17 @@ def _after_chain(chain: list[int], tree: DraftTree, sources: list[str] | None = 
     if sources is None or scores is None:
         return DraftTree(chain + tree.tokens, parents)
     return DraftTree(chain + tree.tokens, parents, sources + tree.sources, scores + tree.scores)
+
+
+def _side_by_side(first: DraftTree, second: DraftTree) -> DraftTree:
+    """Both trees below the same root, `first`'s nodes first (they win between equal siblings)."""
+    if not second.tokens:
+        return first
+    if not first.tokens:
+        return second
+    parents = first.parents + [p if p == ROOT else p + len(first) for p in second.parents]
+    sources, scores = first.sources + second.sources, first.scores + second.scores
+    return DraftTree(first.tokens + second.tokens, parents, sources, scores)
 
 
 def _phrase_tree(phrases: list[Sequence[int]], budget: int, agreement: float, source: str, reach: float = 1.0) -> DraftTree:
