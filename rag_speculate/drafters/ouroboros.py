@@ -32,7 +32,7 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
 
 - Lookahead decoding's Jacobi window (Fu et al., 2023), which the paper runs inside each draft
   forward to harvest n-grams for the pool, is off by default (`lookahead=0`): each of its
-  `lookahead * (lookahead_ngram - 1)` rows costs the int8 draft forward about 3 ms against 28 ms
+  `lookahead * (lookahead_ngram - 1)` rows costs the int8 draft forward 1.5-3 ms against 28 ms
   for a forward of one token, so the paper's window (20 columns of 8-grams, 140 rows) would make
   every draft forward about 15 times dearer, and small windows (4 and 12 rows) did not cut draft
   forwards (docs/benchmarks.md section 4, "Lookahead decoding's window"). Without it the pool
