@@ -320,7 +320,7 @@ class OuroborosDrafter(Drafter):
         fed = len(self._cached) + len(pending) + self.draft_tree_budget + self._window.rows + 2
         if self._tree_attention and (window is None or fed < window):
             forward = self._verifier.forward_tree
-            comb = self._window.tree(self._feedable([*self._cached, *pending, root]))
+            comb = self._window.tree(self._feedable([*pending, root]))
         else:
             tree, forward, comb = tree.longest_branch(), self._verifier.forward_chain, DraftTree.empty()
         pool_nodes, tree = len(tree), _side_by_side(tree, comb)
@@ -335,10 +335,10 @@ class OuroborosDrafter(Drafter):
         self.draft_forward_sizes[len(forced) + len(tree) + 1] += 1
         self._cached.extend([*pending, root, *step.accepted_tokens[:-1]])
         if pool_nodes:
-            # The agreement with the pool's phrases alone: a path into the window's guesses is none.
-            in_pool = step.accepted_nodes if step.accepted_nodes and step.accepted_nodes[0] < pool_nodes else []
-            pool_tree = DraftTree(tree.tokens[:pool_nodes], tree.parents[:pool_nodes])
-            self._pool_rate.observe(*agreement_trials(Verification(pool_tree, in_pool, [], [])))
+            # The window's nodes follow the pool's and share none of their paths: a path into the
+            # window is the pool's phrases rejected at the root.
+            into_window = step.accepted_nodes[:1] and step.accepted_nodes[0] >= pool_nodes
+            self._pool_rate.observe(*((0, 1) if into_window else agreement_trials(step)))
         if comb.tokens:
             outputs = [step.target_tokens[pool_nodes + row + 1] for row in self._window.last_level_rows()]
             for phrase in self._usable(self._window.advance(outputs)):
@@ -516,7 +516,7 @@ class _JacobiWindow:
 
     def tree(self, context: Sequence[int]) -> DraftTree:
         """The window's guesses, level by level (node j * columns + i is column i of level j); on first
-        use in a generation, level 0 is the last tokens of `context` (any guess will do)."""
+        use in a generation, level 0 repeats the last tokens of `context` (any guess will do)."""
         c = self.columns
         if not c:
             return DraftTree.empty()
