@@ -10,6 +10,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --lean --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --tree --context 500
+    python benchmarks/forward_cost.py ... --fast --kernel-variant OLD.c   # another small_linear.c, timed in the same rounds
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from rag_speculate import cpu_linear
 from rag_speculate.cpu_linear import FastLinear
 from rag_speculate.lean_forward import LeanForward, lean_forward
 from rag_speculate.loading import int8_draft_model
@@ -51,7 +54,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
                         help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (verify.Verifier)")
-    return parser.parse_args()
+    parser.add_argument("--kernel-variant", type=Path, default=None, metavar="FILE",
+                        help="with --fast: also time every q with another version of kernels/small_linear.c serving the small rows")
+    args = parser.parse_args()
+    if args.kernel_variant and not (args.fast and args.kernel_variant.is_file()):
+        parser.error("--kernel-variant needs --fast and an existing file")
+    return args
+
+
+@contextlib.contextmanager
+def small_kernel(library) -> None:
+    """The fast kernels' small rows served by `library` (another build of the kernel, to compare)."""
+    saved = cpu_linear.small_linear_library
+    cpu_linear.small_linear_library = lambda: (library, "")
+    try:
+        yield
+    finally:
+        cpu_linear.small_linear_library = saved
 
 
 def load(model_name: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
@@ -116,17 +135,27 @@ def main() -> None:
         print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
+    kernels = {"": contextlib.nullcontext}
+    if args.kernel_variant:
+        library, reason = cpu_linear.build_small_linear(args.kernel_variant)
+        if library is None:
+            sys.exit(f"--kernel-variant: {reason}")
+        kernels["variant"] = lambda: small_kernel(library)
     for tokens in inputs.values():
-        time_forward(model, cache, tokens, args.fast, lean, verifier)  # warm-up: allocator, kernel selection
+        for kernel in kernels.values():
+            with kernel():
+                time_forward(model, cache, tokens, args.fast, lean, verifier)  # warm-up: allocator, kernel selection
     # Rounds over all sizes rather than all repeats of one size, so a burst of
     # load from another process hits every size alike instead of skewing one.
-    runs: dict[int, list[float]] = {q: [] for q in args.sizes}
+    runs: dict[tuple[str, int], list[float]] = {(k, q): [] for k in kernels for q in args.sizes}
     for round_index in range(args.repeats):
         for q, tokens in inputs.items():
-            runs[q].append(time_forward(model, cache, tokens, args.fast, lean, verifier))
+            for name, kernel in kernels.items():
+                with kernel():
+                    runs[name, q].append(time_forward(model, cache, tokens, args.fast, lean, verifier))
         print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
     assert cache.get_seq_length() == args.context
-    rows = [(q, statistics.median(times) * 1000, min(times) * 1000) for q, times in runs.items()]
+    rows = [(q, statistics.median(runs["", q]) * 1000, min(runs["", q]) * 1000) for q in args.sizes]
 
     base, base_min = rows[0][1], rows[0][2]
     # Other processes on a small machine distort timings; the load average shows it.
@@ -140,6 +169,11 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for q, ms, fastest in rows:
         print(f"| {q} | {ms:.1f} | {ms / q:.1f} | {ms / base:.2f} | {fastest:.1f} | {fastest / base_min:.2f} |")
+    if args.kernel_variant:
+        print(f"\n| q | this kernel, median ms | {args.kernel_variant.name}, median ms | ratio |\n|---:|---:|---:|---:|")
+        for q, ms, _ in rows:
+            other = statistics.median(runs["variant", q]) * 1000
+            print(f"| {q} | {ms:.1f} | {other:.1f} | {ms / other:.2f} |")
     if args.fast:
         print_rounding(model, cache, torch.randint(0, vocab, (1, 16), device=device))
     if lean is not None:

@@ -6,6 +6,7 @@ six of the 1.5B Qwen's MLP, 330 MB, more than the caches hold), rows interleaved
 hits every kernel alike. Prints a markdown table.
 
     python3 benchmarks/linear_kernels.py --rows 1 2 5 9 16 24 33
+    python3 benchmarks/linear_kernels.py --variant before=OLD.c   # another version of small_linear.c beside it
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 from rag_speculate import cpu_linear
 
 
-def kernels(weights: list[torch.Tensor], rows: list[int]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
-    """Kernels by name, each called with the input and the index of its weight."""
+def kernels(weights: list[torch.Tensor], rows: list[int], variants: dict[str, Path]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """Kernels by name, each called with the input and the index of its weight; `variants`: other
+    versions of `kernels/small_linear.c` by name, built with the same flags."""
     # MKL with the weights packed once per row count (a copy of every weight): measured to show
     # that packing ahead does not rescue MKL at these sizes; not a kernel the engine uses.
     packed = {r: [torch.ops.mkl._mkl_reorder_linear_weight(w, r) for w in weights] for r in rows}
@@ -33,6 +36,11 @@ def kernels(weights: list[torch.Tensor], rows: list[int]) -> dict[str, Callable[
     }
     if cpu_linear.small_linear_library()[0] is not None:
         found["small_linear.c"] = lambda x, i: cpu_linear._small_linear(x, weights[i], None)
+    for name, source in variants.items():
+        library, reason = cpu_linear.build_small_linear(source)
+        if library is None:
+            raise SystemExit(f"--variant {name}: {reason}")
+        found[name] = lambda x, i, library=library: cpu_linear.run_small_linear(library, x, weights[i], None)
     return found
 
 
@@ -43,11 +51,19 @@ def main() -> None:
     parser.add_argument("--matrices", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=9, help="timed passes per kernel and row count (median)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                        help="also time another version of kernels/small_linear.c (e.g. `git show REV:rag_speculate/kernels/small_linear.c`)")
     args = parser.parse_args()
+    variants = {}
+    for assignment in args.variant:
+        name, sep, file = assignment.partition("=")
+        if not (sep and name and Path(file).is_file()):
+            raise SystemExit(f"--variant takes NAME=FILE with an existing FILE, got {assignment!r}")
+        variants[name] = Path(file)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(*args.shape) for _ in range(args.matrices)]
-    by_kernel = kernels(weights, args.rows)
+    by_kernel = kernels(weights, args.rows, variants)
     if "small_linear.c" not in by_kernel:
         print(f"(small-row kernel unavailable: {cpu_linear.small_linear_library()[1]})")
     times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in by_kernel for r in args.rows}

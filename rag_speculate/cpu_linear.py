@@ -1,14 +1,15 @@
 """Linear layers of decoding and verification forwards through faster kernels, on CPUs.
 
 Decoding multiplies 1 token's activations by every weight; verifying a draft, 2 to 17 tokens'.
-Both are bound by reading the weights, and on this project's 2-core AMD AVX2 CPU torch's fp32
-kernel (MKL) reads them poorly there: for the 1.5B target at 500 tokens of context, 1 token took
-363 ms and 2 tokens 801 ms (docs/benchmarks.md, section 1.2). Two kernels do better, on the same
-weights in place (no copy, no repacking, the model untouched):
+Both are bound by reading the weights, and on this project's 2-core AMD CPU torch's fp32 kernel
+(MKL) reads them poorly there: for the 1.5B target at 500 tokens of context, 1 token took 363 ms
+and 2 tokens 801 ms (docs/benchmarks.md, section 1.2). Two kernels do better, on the same weights
+in place (no copy, no repacking, the model untouched):
 
-- `kernels/small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed): each
-  weight row is read once and used against up to 24 rows. 1 token 240 ms, 2: 288, 5: 339, 9: 470.
-- oneDNN's inner product, which torch ships, for 25 to 64 rows (and from 2 rows where the kernel
+- `kernels/small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed, AVX-512
+  used where present): each weight row is read once and used against up to 48 rows. With AVX-512,
+  1 token 178 ms, 2: 186, 5: 244, 9: 336 (section 1.4).
+- oneDNN's inner product, which torch ships, for 49 to 64 rows (and from 2 rows where the kernel
   above cannot be built; section 1.1: 2 tokens 500 ms, 9: 653, 17: 811).
 
 Prefills (more than 64 rows) keep torch's kernel. Any of these kernels rounds differently from
@@ -35,10 +36,12 @@ from torch.overrides import TorchFunctionMode
 
 from .files import sibling
 
-_SMALL_MAX_ROWS = 24  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, section 1.2)
+_SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, sections 1.2 and 1.4)
 _ONEDNN_MIN_ROWS, _ONEDNN_MAX_ROWS = 2, 64
 _SOURCE = Path(__file__).with_name("kernels") / "small_linear.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# AVX-512 where torch found it (more registers: larger tiles, section 1.4), else AVX2.
+_ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,11 +49,16 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return run_small_linear(small_linear_library()[0], x, weight, bias)
+
+
+def run_small_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through a built small-row kernel (fp32, `weight` contiguous)."""
     features = x.shape[-1]
     rows = x.numel() // features
     flat = x.reshape(rows, features).contiguous()
     out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-    small_linear_library()[0].small_linear(
+    library.small_linear(
         flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(), rows, weight.shape[0], features, torch.get_num_threads(),
     )  # fmt: skip
@@ -95,15 +103,23 @@ class FastLinear(TorchFunctionMode):
 @functools.cache
 def small_linear_library() -> tuple[ctypes.CDLL | None, str]:
     """The compiled small-row kernel, built into the cache on first use; or None and why not."""
+    return build_small_linear(_SOURCE)
+
+
+def build_small_linear(source_path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """`source_path` (the kernel, or another version of it that a benchmark compares) compiled into the
+    cache unless already there, and loaded; or None and why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the small-row kernel is written for x86-64, this CPU is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None, f"the small-row kernel needs AVX2 and FMA; torch reports {torch.backends.cpu.get_cpu_capability()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _ISA_FLAGS:
+        return None, f"the small-row kernel needs AVX2 and FMA; torch reports {capability}"
+    flags = [*_FLAGS, *_ISA_FLAGS[capability]]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc, gcc or $CC) to build the small-row kernel"
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in _FLAGS)])).hexdigest()[:16]
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
     from .models import cache_dir  # models imports transformers' loaders; only needed here
 
     library = cache_dir() / "kernels" / f"small_linear-{digest}.so"
@@ -111,7 +127,7 @@ def small_linear_library() -> tuple[ctypes.CDLL | None, str]:
         library.parent.mkdir(parents=True, exist_ok=True)
         built = sibling(library, "so")
         try:
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *flags, str(source_path), "-o", str(built)], check=True, capture_output=True, timeout=120)
             os.replace(built, library)  # another process may have built it too: same bytes
         except (OSError, subprocess.SubprocessError) as exc:
             detail = exc.stderr.decode(errors="replace").strip() if isinstance(exc, subprocess.CalledProcessError) else exc

@@ -31,12 +31,12 @@ def _count_kernels(monkeypatch) -> dict[str, int]:
 
 
 @needs_small_kernel
-@pytest.mark.parametrize("features", [24, 19])  # a multiple of the kernel's 8 lanes, and a remainder
+@pytest.mark.parametrize("features", [32, 19])  # a multiple of the kernel's 8 or 16 lanes, and a remainder
 def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features):
     served = _count_kernels(monkeypatch)
     torch.manual_seed(0)
     weight, bias = torch.randn(41, features), torch.randn(41)  # an odd number of outputs too
-    for rows, kernel in ((1, "small"), (2, "small"), (7, "small"), (24, "small"), (25, "onednn"), (64, "onednn"), (65, None), (300, None)):
+    for rows, kernel in ((1, "small"), (2, "small"), (7, "small"), (48, "small"), (49, "onednn"), (64, "onednn"), (65, None), (300, None)):
         x = torch.randn(1, rows, features)
         want, want_no_bias = F.linear(x, weight, bias), F.linear(x, weight)
         before = dict(served)
@@ -57,6 +57,20 @@ def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features
     with FastLinear():
         assert torch.equal(F.linear(x, weight.bfloat16()), want)  # not fp32: torch's kernel, bit for bit
 
+
+
+@needs_small_kernel
+@pytest.mark.parametrize("shape", [(41, 19), (48, 32), (9, 53)])  # outputs and inputs off and on the tiles and lanes
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape):
+    # Verification feeds a token among up to 48 others; its logits must be the ones it gets alone,
+    # bit for bit, or a draft's length could change a greedy token.
+    torch.manual_seed(0)
+    weight, bias = torch.randn(*shape), torch.randn(shape[0])
+    x = torch.randn(24, shape[1])
+    with FastLinear():
+        together = F.linear(x, weight, bias)
+        for start, rows in ((0, 1), (0, 2), (0, 5), (3, 4), (7, 17), (23, 1)):
+            assert torch.equal(F.linear(x[start : start + rows], weight, bias), together[start : start + rows]), (start, rows)
 
 def test_without_the_small_kernel_onednn_serves_from_two_rows(monkeypatch):
     monkeypatch.setattr(cpu_linear, "small_linear_library", lambda: (None, "no compiler"))
