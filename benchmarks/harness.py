@@ -308,7 +308,9 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
                 row[method]["answer_found"] = statistics.mean(bool(r["answer_found"]) for r in rs)
             for base in bases:
                 if base in methods and method != base:
-                    pairs = [m for m in items if base in m and method in m]
+                    # An answer that came whole with the prefill (transformers' first step verifies a
+                    # draft there) decoded no tokens: it has no decode speed to compare.
+                    pairs = [m for m in items if base in m and method in m and _decode_tokens(m[base]) and _decode_tokens(m[method])]
                     for kind, key in (("decode", "decode_s"), ("modeled", "modeled_decode_s")):
                         if not pairs or not all(m[k].get(key) for m in pairs for k in (base, method)):
                             continue

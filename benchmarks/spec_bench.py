@@ -131,11 +131,14 @@ def _assignments(values: list[str], flag: str, form: str) -> dict[str, str]:
 
 def write(args: argparse.Namespace, engine: SpeculativeEngine, runs: list[dict], methods: list[str], title: str,
           extra: dict | None = None, bases: Sequence[str] = BASELINES) -> None:
-    summary = summarize(with_modeled(runs, (extra or {}).get("reference_costs")), methods, bases)
-    table = markdown(summary, methods, bases)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(args).items()} | {"draft_budget": engine.draft_budget, "torch": torch.__version__}
-    args.out.with_suffix(".json").write_text(json.dumps({"config": config, "summary": summary, "runs": runs, **(extra or {})}, indent=1))
+    saved = {"config": config, "runs": runs, **(extra or {})}
+    # The runs first: they took the time, and --from-json can summarize them again.
+    args.out.with_suffix(".json").write_text(json.dumps(saved, indent=1))
+    summary = summarize(with_modeled(runs, (extra or {}).get("reference_costs")), methods, bases)
+    table = markdown(summary, methods, bases)
+    args.out.with_suffix(".json").write_text(json.dumps({"config": config, "summary": summary, **saved}, indent=1))
     args.out.with_suffix(".md").write_text(table + "\n")
     plot(summary, methods, args.out.with_suffix(".png"), title)
     print(table)

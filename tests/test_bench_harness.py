@@ -76,6 +76,10 @@ def test_decode_speed_counts_only_the_tokens_emitted_within_decode_time():
     row = summarize(runs, ["hf-greedy", "hf-assisted"], bases=["hf-greedy"])["qa"]["methods"]["hf-assisted"]
     assert row["decode_tok_s"] == pytest.approx(10.0)
     assert row["decode_speedup_vs_hf-greedy_mean"] == pytest.approx(2.0)
+    # An answer that came whole with the prefill decoded nothing: no ratio for that item.
+    runs += [run("b", "hf-greedy", 4.0, 20), run("b", "hf-assisted", 0.01, 0)]
+    row = summarize(runs, ["hf-greedy", "hf-assisted"], bases=["hf-greedy"])["qa"]["methods"]["hf-assisted"]
+    assert row["items"] == 2 and row["decode_speedup_vs_hf-greedy_mean"] == pytest.approx(2.0)
     # Runs saved before decode_tokens was recorded count all tokens but the first.
     for r in runs:
         del r["decode_tokens"]
