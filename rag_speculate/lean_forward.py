@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from .loading import Int8Linear
 from .tree import DraftTree, tree_attention_mask
 from .verify import sliding_window
 
@@ -132,35 +133,29 @@ def _unsupported(model: PreTrainedModel) -> str:
 def _fused_qkv(attention: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """Queries, keys and values side by side. In int8, from one product: the three share their input,
     and k and v are so small that a call of their own costs more than their weights (k: 128 x 896
-    for the 0.5B Qwen). Each row keeps its own tensor's scale, so the results are the same. The
+    for the 0.5B Qwen). Each row keeps its own channel's scale, so the results are the same. The
     fused weights are a copy (25 MB for that model); the model keeps its own."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    if not all(_is_int8(p) for p in projections):
+    if not all(isinstance(p, Int8Linear) for p in projections):
         linears = [_linear(p) for p in projections]
         return lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
-    weights, biases = zip(*(p._packed_params._weight_bias() for p in projections))
-    scales = torch.cat([torch.full((w.shape[0],), w.q_scale(), dtype=torch.double) for w in weights])
-    zero_points = torch.cat([torch.full((w.shape[0],), w.q_zero_point(), dtype=torch.long) for w in weights])
-    fused = torch._make_per_channel_quantized_tensor(torch.cat([w.int_repr() for w in weights]), scales, zero_points, 0)
+    weights, biases = zip(*(p.weight_and_bias() for p in projections))
+    fused = torch._make_per_channel_quantized_tensor(
+        torch.cat([w.int_repr() for w in weights]), torch.cat([w.q_per_channel_scales() for w in weights]),
+        torch.cat([w.q_per_channel_zero_points() for w in weights]), 0,
+    )  # fmt: skip
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
-    packed = torch.ops.quantized.linear_prepack(fused, bias)
-    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)
-
-
-def _is_int8(module: torch.nn.Module) -> bool:
-    """torch.ao's dynamic int8 Linear, as `loading.int8_draft_model` makes (version 4: reduce_range)."""
-    packed = getattr(module, "_packed_params", None)
-    return packed is not None and packed.dtype == torch.qint8 and (getattr(module, "version", None) or 0) >= 4
+    return _linear(Int8Linear(torch.ops.quantized.linear_prepack(fused, bias), projections[0].reduce_range))
 
 
 def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The module's product as one operator call: a module call costs more than the product of a
-    small draft model's layer for one token (int8: torch.ao's dynamic Linear, whose forward this repeats)."""
-    if _is_int8(module):
-        weights = module._packed_params._packed_params
-        return lambda x: torch.ops.quantized.linear_dynamic(x, weights, reduce_range=True)
+    small draft model's layer for one token (int8: `Int8Linear`, whose forward this repeats)."""
+    if isinstance(module, Int8Linear):
+        packed, reduce_range = module.packed, module.reduce_range
+        return lambda x: torch.ops.quantized.linear_dynamic(x, packed, reduce_range=reduce_range)
     if type(module) is torch.nn.Linear:
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
