@@ -8,7 +8,8 @@ in place (no copy, no repacking, the model untouched):
 
 - `kernels/small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed, AVX-512
   used where present): each weight row is read once and used against up to 48 rows. With AVX-512,
-  1 token 178 ms, 2: 186, 5: 244, 9: 336 (section 1.4).
+  1 token 222 ms, 2: 217, 5: 262, 9: 349, against 236, 254, 327 and 426 with AVX2's tiles
+  (section 1.4).
 - oneDNN's inner product, which torch ships, for 49 to 64 rows (and from 2 rows where the kernel
   above cannot be built; section 1.1: 2 tokens 500 ms, 9: 653, 17: 811).
 
