@@ -24,6 +24,7 @@ from spec_bench import DEFAULT_DATA, load_items
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import SpeculativeEngine
+from rag_speculate.drafters.ouroboros import head_ids
 from rag_speculate.loading import cpu_has_vnni, int8_draft_model, load_model
 
 
@@ -34,10 +35,12 @@ def torch_ao_int8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def agreeing(model: torch.nn.Module, prompt: list[int], output: list[int]) -> int:
-    """Output positions where the draft's argmax, reading the target's tokens before, is the target's token."""
+def agreeing(model: torch.nn.Module, prompt: list[int], output: list[int], head: torch.Tensor | None = None) -> int:
+    """Output positions where the draft's argmax, reading the target's tokens before, is the target's token;
+    `head`: the ids its output head scores (OuroborosDrafter's `head_vocabulary`), or None for all."""
     logits = model(input_ids=torch.tensor([prompt + output]), logits_to_keep=len(output) + 1).logits[0, :-1]
-    return int((logits.argmax(-1) == torch.tensor(output)).sum())
+    chosen = logits.argmax(-1) if head is None else head[logits[:, head].argmax(-1)]
+    return int((chosen == torch.tensor(output)).sum())
 
 
 def main() -> None:
@@ -46,6 +49,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (for its tokenizer and chat template)")
     parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--head-vocabulary", type=int, nargs="*", default=[],
+                        help="also the int8 draft with its head scoring only the N lowest ids and the prompt's (OuroborosDrafter)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     greedy = {(r["category"], r["item"]): r["tokens"] for r in json.loads(args.results.read_text())["runs"] if r["method"] == "hf-greedy"}
@@ -56,16 +61,19 @@ def main() -> None:
     fp32, _ = load_model(args.draft_model, dtype=torch.float32)
     drafts = {"fp32": fp32, "int8, torch.ao's defaults": torch_ao_int8(copy.deepcopy(fp32)),
               "int8, int8_draft_model": int8_draft_model(copy.deepcopy(fp32))}
-    counts = {(it.category, name): [0, 0] for it in items for name in drafts}
+    heads = {f"int8, head of {n} ids and the prompt's": n for n in args.head_vocabulary}
+    counts = {(it.category, name): [0, 0] for it in items for name in [*drafts, *heads]}
     for item in items:
         output = greedy[item.category, item.id]
-        for name, model in drafts.items():
-            counts[item.category, name][0] += agreeing(model, item.prompt_ids, output)
+        runs = [(name, model, None) for name, model in drafts.items()]
+        runs += [(name, drafts["int8, int8_draft_model"], torch.cat(head_ids(engine.tokenizer, n, fp32.config.vocab_size, item.prompt_ids))) for name, n in heads.items()]
+        for name, model, head in runs:
+            counts[item.category, name][0] += agreeing(model, item.prompt_ids, output, head)
             counts[item.category, name][1] += len(output)
     categories = list(dict.fromkeys(it.category for it in items))
     print(f"\nDraft argmax = target's greedy token, {len(items)} items ({args.results.name}); VNNI: {cpu_has_vnni()}\n")
     print("| draft | " + " | ".join(categories) + " |\n|---|" + "---:|" * len(categories))
-    for name in drafts:
+    for name in [*drafts, *heads]:
         print(f"| {name} | " + " | ".join(f"{counts[c, name][0] / counts[c, name][1]:.3f} ({counts[c, name][1]})" for c in categories) + " |")
 
 

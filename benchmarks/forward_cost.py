@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_speculate import cpu_linear
 from rag_speculate.cpu_linear import FastLinear
+from rag_speculate.drafters.ouroboros import head_ids
 from rag_speculate.lean_forward import LeanForward, lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
@@ -54,11 +55,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
                         help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (verify.Verifier)")
+    parser.add_argument("--head-vocabulary", type=int, default=None, metavar="N",
+                        help="with --lean: also, in the same rounds, with the head scoring only the N lowest ids and the "
+                             "context's (OuroborosDrafter's head_vocabulary)")
     parser.add_argument("--kernel-variant", type=Path, default=None, metavar="FILE",
                         help="with --fast: also time every q with another version of kernels/small_linear.c serving the small rows")
     args = parser.parse_args()
     if args.kernel_variant and not (args.fast and args.kernel_variant.is_file()):
         parser.error("--kernel-variant needs --fast and an existing file")
+    if args.head_vocabulary is not None and not (args.lean and args.head_vocabulary > 0 and not args.kernel_variant):
+        parser.error("--head-vocabulary needs --lean, a positive N and no --kernel-variant")
     return args
 
 
@@ -73,11 +79,21 @@ def small_kernel(library) -> None:
         cpu_linear.small_linear_library = saved
 
 
-def load(model_name: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
+def load(model_name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if is_packaged_model(model_name):
-        model, _ = load_packaged_model(model_name, dtype=dtype, device=device)
-        return model
-    return AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype, local_files_only=True).to(device).eval()
+        return load_packaged_model(model_name, dtype=dtype, device=device)
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype, local_files_only=True).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(model_name, local_files_only=True)
+
+
+@contextlib.contextmanager
+def restricted_head(lean: LeanForward, groups: tuple[torch.Tensor, ...]) -> None:
+    """The lean forward's head scoring only the ids of `groups`, as OuroborosDrafter restricts it."""
+    lean.restrict_head(*groups)
+    try:
+        yield
+    finally:
+        lean.restrict_head()
 
 
 def synchronize(device: torch.device) -> None:
@@ -112,7 +128,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = load(args.model, DTYPES[args.dtype], args.device)
+    model, tokenizer = load(args.model, DTYPES[args.dtype], args.device)
     if args.int8:
         model = int8_draft_model(model)
     lean = None
@@ -140,7 +156,10 @@ def main() -> None:
         library, reason = cpu_linear.build_small_linear(args.kernel_variant)
         if library is None:
             sys.exit(f"--kernel-variant: {reason}")
-        kernels["variant"] = lambda: small_kernel(library)
+        kernels["variant"], variant = (lambda: small_kernel(library)), args.kernel_variant.name
+    if args.head_vocabulary:
+        groups = head_ids(tokenizer, args.head_vocabulary, model.config.vocab_size, prompt[0].tolist())
+        kernels["variant"], variant = (lambda: restricted_head(lean, groups)), f"head of {sum(map(len, groups))} ids"
     for tokens in inputs.values():
         for kernel in kernels.values():
             with kernel():
@@ -169,8 +188,8 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for q, ms, fastest in rows:
         print(f"| {q} | {ms:.1f} | {ms / q:.1f} | {ms / base:.2f} | {fastest:.1f} | {fastest / base_min:.2f} |")
-    if args.kernel_variant:
-        print(f"\n| q | this kernel, median ms | {args.kernel_variant.name}, median ms | ratio |\n|---:|---:|---:|---:|")
+    if "variant" in kernels:
+        print(f"\n| q | as is, median ms | {variant}, median ms | ratio |\n|---:|---:|---:|---:|")
         for q, ms, _ in rows:
             other = statistics.median(runs["variant", q]) * 1000
             print(f"| {q} | {ms:.1f} | {other:.1f} | {ms / other:.2f} |")

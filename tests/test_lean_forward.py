@@ -56,6 +56,35 @@ def test_only_the_last_rows_logits_are_computed_when_asked():
     torch.testing.assert_close(last[0, 0], full[0, -1])
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_restricted_head_gives_those_columns_of_the_whole_heads_logits(int8):
+    model = tiny_model("qwen2", seed=1)
+    if int8:
+        model = int8_draft_model(model)
+    lean, _ = lean_forward(model)
+    common, rare = torch.tensor([0, 3, 4, 17]), torch.tensor([2, VOCAB - 1])
+    with torch.inference_mode():
+        whole = _forwards(model, lean)
+        lean.restrict_head(common, rare)
+        restricted = _forwards(model, lean)
+        lean.restrict_head()
+        again = _forwards(model, lean)
+    for ours, theirs, back in zip(restricted, whole, again):
+        # Another product size: rounding differences only.
+        torch.testing.assert_close(ours, theirs[..., torch.cat([common, rare])], rtol=0, atol=1e-5)
+        torch.testing.assert_close(back, theirs, rtol=0, atol=0)
+
+
+def test_a_restricted_heads_groups_are_built_once_while_named_again():
+    lean, _ = lean_forward(int8_draft_model(tiny_model("qwen2", seed=1)))
+    common = torch.tensor([0, 3, 4, 17])
+    lean.restrict_head(common, torch.tensor([5]))
+    built = dict(lean._head_groups)
+    lean.restrict_head(common, torch.tensor([6, 7]))
+    assert lean._head_groups[common.numpy().tobytes()] is built[common.numpy().tobytes()]
+    assert len(lean._head_groups) == 2
+
+
 @pytest.mark.parametrize(
     "arch, overrides, named",
     [

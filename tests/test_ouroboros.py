@@ -57,26 +57,29 @@ def target_says(tree: DraftTree, choices: dict[int, int], default: int = 1) -> V
 
 
 @pytest.mark.parametrize(
-    ("arch", "draft_overrides", "lookahead"),
+    ("arch", "draft_overrides", "lookahead", "head"),
     [
-        ("llama", {}, 0),
-        ("qwen2", {}, 0),
-        ("gpt2", {}, 0),
-        ("gemma3", {}, 0),  # sliding-window layers in the draft cache
+        ("llama", {}, 0, None),
+        ("qwen2", {}, 0, None),
+        ("gpt2", {}, 0, None),
+        ("gemma3", {}, 0, None),  # sliding-window layers in the draft cache
         # Embedding tables padded differently: the draft may argmax ids the target lacks, and the
         # target may emit ids the draft cannot read.
-        ("llama", {"vocab_size": VOCAB + 24}, 0),
-        ("llama", {"vocab_size": 80}, 0),
+        ("llama", {"vocab_size": VOCAB + 24}, 0, None),
+        ("llama", {"vocab_size": 80}, 0, None),
         # Lookahead decoding's window in every draft forward.
-        ("qwen2", {}, 3),
-        ("gemma3", {}, 3),
-        ("llama", {"vocab_size": 80}, 3),
+        ("qwen2", {}, 3, None),
+        ("gemma3", {}, 3, None),
+        ("llama", {"vocab_size": 80}, 3, None),
+        # A draft head over a few ids: the target emits tokens the draft model cannot propose.
+        ("qwen2", {}, 0, 8),
+        ("llama", {"vocab_size": 80}, 3, 8),
     ],
 )
-def test_greedy_output_matches_generate(arch, draft_overrides, lookahead, tokenizer):
+def test_greedy_output_matches_generate(arch, draft_overrides, lookahead, head, tokenizer):
     target = tiny_model(arch, seed=0)
     draft = tiny_model(arch, seed=1, num_hidden_layers=1, **draft_overrides)
-    drafter = make_drafter(draft, tokenizer, min_score=0.0, lookahead=lookahead, lookahead_ngram=3)
+    drafter = make_drafter(draft, tokenizer, min_score=0.0, lookahead=lookahead, lookahead_ngram=3, head_vocabulary=head)
     engine = make_engine(target, tokenizer, drafter)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
@@ -86,6 +89,25 @@ def test_greedy_output_matches_generate(arch, draft_overrides, lookahead, tokeni
             assert result.token_ids == reference
     assert len(drafter.pool) > 0
     assert drafter.last_propose_s > 0
+
+
+def test_a_restricted_head_scores_the_lowest_ids_and_those_of_prompt_and_documents(tokenizer):
+    target = tiny_model("llama", seed=0)
+    drafter = make_drafter(tiny_model("llama", seed=0), tokenizer, head_vocabulary=4, K=0)
+    engine = make_engine(target, tokenizer, drafter)
+    prompt = tokenizer.encode(PROMPTS[0])
+    reference = hf_greedy(target, prompt, 48)
+    # The answer's tokens come with a document: the copy of the target can still propose them.
+    result = engine.generate(prompt, documents=[reference], max_new_tokens=48)
+    assert result.token_ids == reference
+    head = set(range(4)) | set(tokenizer.all_special_ids) | set(prompt) | set(reference)
+    assert drafter._head_ids == sorted(head)
+    assert result.stats.accepted_tokens["draft_model"] > 24
+    # Without that document, it proposes only ids its head scores (the output stays the target's).
+    result = engine.generate(prompt, max_new_tokens=48)
+    assert result.token_ids == reference
+    drafted = drafter.propose(prompt + reference[:10], 12)
+    assert drafted.tokens and set(drafted.tokens) <= set(range(4)) | set(tokenizer.all_special_ids) | set(prompt)
 
 
 def test_a_draft_model_equal_to_the_target_gets_long_drafts_accepted(tokenizer):
@@ -530,6 +552,7 @@ def test_engine_refuses_a_draft_model_with_other_token_ids(tmp_path, tokenizer):
         ("min_score", 2.0),
         ("lookahead", -1),
         ("lookahead_ngram", 1),
+        ("head_vocabulary", 0),
     ],
 )
 def test_drafter_refuses_invalid_arguments(argument, value, tokenizer):
