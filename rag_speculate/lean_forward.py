@@ -63,7 +63,8 @@ class LeanForward:
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
     ) -> torch.Tensor:
-        """Logits [1, rows, vocab] for `input_ids` [1, q] after the cache, which gains their keys and values."""
+        """Logits [1, rows, vocab] for `input_ids` [1, q] after the cache, which gains their keys and
+        values; a restricted head gives one column per id it scores (`restrict_head`)."""
         q = input_ids.shape[1]
         past = past_key_values.get_seq_length()
         h = self._embed(input_ids)
@@ -95,7 +96,9 @@ class LeanForward:
         28% of them) for tokens an answer rarely uses; its drafts are only checked, so a head over
         fewer tokens costs accepted tokens where the target needs another one, never the output.
         Each group's product is built once and kept until a call with groups names other ids:
-        repacking 33,000 rows of that head takes 0.2 s, a group of a prompt's few hundred ids little."""
+        repacking 33,000 rows of that head takes 0.2 s, a group of a prompt's few hundred ids little.
+        The first call keeps a copy of the head's weights to build groups from (int8: 136 MB for that
+        model)."""
         if not groups:
             self._head = _linear(self._lm_head)
             return
