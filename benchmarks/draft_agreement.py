@@ -4,9 +4,8 @@ Teacher-forced on the target's own greedy outputs (the `hf-greedy` runs of a spe
 file): the draft model reads each prompt plus the target's output in one forward, and at every output
 position its argmax is compared with the target's next token. Speed does not enter; this isolates
 what a draft model's arithmetic costs in agreement. Variants: the draft in fp32, in int8 with
-torch.ao's defaults (one scale per tensor, 7-bit activations), in int8 as
-`loading.int8_draft_model` makes it (one scale per output channel, 8-bit activations where VNNI allows),
-and in 4 bits as that function makes drafting's small forwards where the kernel builds (`loading.Int4Linear`).
+torch.ao's defaults (one scale per tensor, 7-bit activations), and in int8 as
+`loading.int8_draft_model` makes it (one scale per output channel, 8-bit activations where VNNI allows).
 
     python3 benchmarks/draft_agreement.py --results benchmarks/results/kernel512_n4.json
 """
@@ -25,7 +24,6 @@ from spec_bench import DEFAULT_DATA, load_items
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import SpeculativeEngine
-from rag_speculate.cpu_linear import int4_linear_library
 from rag_speculate.drafters.ouroboros import head_ids
 from rag_speculate.loading import cpu_has_vnni, int8_draft_model, load_model
 
@@ -62,10 +60,7 @@ def main() -> None:
     items = [it for it in load_items(engine, DEFAULT_DATA, sorted({c for c, _ in greedy}), 10**6) if (it.category, it.id) in greedy]
     fp32, _ = load_model(args.draft_model, dtype=torch.float32)
     drafts = {"fp32": fp32, "int8, torch.ao's defaults": torch_ao_int8(copy.deepcopy(fp32)),
-              "int8, int8_draft_model": int8_draft_model(copy.deepcopy(fp32), int4_rows=0)}
-    if int4_linear_library()[0] is not None:
-        # Every row in 4 bits: this teacher-forced forward reads a whole answer at once, drafting 1-3 rows.
-        drafts["4 bits, int8_draft_model"] = int8_draft_model(copy.deepcopy(fp32), int4_rows=10**9)
+              "int8, int8_draft_model": int8_draft_model(copy.deepcopy(fp32))}
     heads = {f"int8, head of {n} ids and the prompt's": n for n in args.head_vocabulary}
     counts = {(it.category, name): [0, 0] for it in items for name in [*drafts, *heads]}
     for item in items:

@@ -8,7 +8,6 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
         --dtype bfloat16 --context 1000 --sizes 1 2 4 8 16 32
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --lean --context 500
-    python benchmarks/forward_cost.py ... --int8 --int4-rows 0   # int8 alone, without the 4-bit kernel for small forwards
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --tree --context 500
     python benchmarks/forward_cost.py ... --fast --kernel-variant OLD.c   # another small_linear.c, timed in the same rounds
@@ -31,7 +30,7 @@ from rag_speculate import cpu_linear
 from rag_speculate.cpu_linear import FastLinear
 from rag_speculate.drafters.ouroboros import head_ids
 from rag_speculate.lean_forward import LeanForward, lean_forward
-from rag_speculate.loading import INT4_ROWS, int8_draft_model
+from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
 from rag_speculate.tree import DraftTree
 from rag_speculate.verify import Verifier
@@ -52,8 +51,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
-    parser.add_argument("--int4-rows", type=int, default=INT4_ROWS, metavar="N",
-                        help="with --int8: forwards over up to N tokens in 4 bits where the kernel builds (int8_draft_model's int4_rows; 0: int8 only)")
     parser.add_argument("--fast", action="store_true", help="linear layers through the engine's CPU kernels (cpu_linear.py)")
     parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
@@ -133,7 +130,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model, tokenizer = load(args.model, DTYPES[args.dtype], args.device)
     if args.int8:
-        model = int8_draft_model(model, int4_rows=args.int4_rows)
+        model = int8_draft_model(model)
     lean = None
     if args.lean:
         lean, reason = lean_forward(model)

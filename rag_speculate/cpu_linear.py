@@ -40,8 +40,6 @@ from .files import sibling
 _SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, sections 1.2 and 1.4)
 _ONEDNN_MIN_ROWS, _ONEDNN_MAX_ROWS = 2, 64
 _SOURCE = Path(__file__).with_name("kernels") / "small_linear.c"
-_INT4_SOURCE = Path(__file__).with_name("kernels") / "int4_linear.c"
-INT4_GROUP = 128  # weights per scale in the 4-bit kernel (its GROUP)
 _FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 # AVX-512 where torch found it (more registers: larger tiles, section 1.4), else AVX2.
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
@@ -112,71 +110,20 @@ def small_linear_library() -> tuple[ctypes.CDLL | None, str]:
 def build_small_linear(source_path: Path) -> tuple[ctypes.CDLL | None, str]:
     """`source_path` (the kernel, or another version of it that a benchmark compares) compiled into the
     cache unless already there, and loaded; or None and why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the small-row kernel is written for x86-64, this CPU is {platform.machine()}"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _ISA_FLAGS:
         return None, f"the small-row kernel needs AVX2 and FMA; torch reports {capability}"
-    lib, reason = _build(source_path, _ISA_FLAGS[capability], "the small-row kernel")
-    if lib is not None:
-        lib.small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        lib.small_linear.restype = None
-    return lib, reason
-
-
-@functools.cache
-def int4_linear_library() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled 4-bit kernel (`kernels/int4_linear.c`), built into the cache on first use; or None
-    and why not: it needs AVX-512 with VNNI's int8 dot product."""
-    from .loading import cpu_has_vnni  # loading imports this module
-
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_has_vnni():
-        return None, "the 4-bit kernel needs AVX-512 with VNNI"
-    lib, reason = _build(_INT4_SOURCE, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"], "the 4-bit kernel")
-    if lib is not None:
-        lib.int4_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        lib.int4_linear.restype = None
-    return lib, reason
-
-
-def int4_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` [out, in] (`in` a multiple of INT4_GROUP) in the 4-bit kernel's layout: bytes [out, in / 2]
-    and one scale per group of INT4_GROUP weights along a row [out, in / INT4_GROUP]; symmetric, -8..7."""
-    out, features = weight.shape
-    if features % INT4_GROUP:
-        raise ValueError(f"4-bit weights need rows of a multiple of {INT4_GROUP} values, got {features}")
-    groups = weight.detach().float().reshape(out, features // INT4_GROUP, INT4_GROUP)
-    scales = (groups.abs().amax(-1) / 7).clamp_min(torch.finfo(torch.float32).tiny)
-    values = ((groups / scales[..., None]).round().clamp(-8, 7) + 8).to(torch.uint8)  # the kernel takes the 8 off
-    blocks = values.reshape(out, features // 64, 2, 32)  # byte j of a 64-weight block: weight j, and j + 32 above it
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, features // 2).contiguous(), scales.contiguous()
-
-
-def run_int4_linear(library: ctypes.CDLL, x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` for W in `int4_weights`' layout, through the built 4-bit kernel (x: fp32)."""
-    features = x.shape[-1]
-    rows = x.numel() // features
-    flat = x.reshape(rows, features).contiguous()
-    out = torch.empty(rows, nibbles.shape[0], dtype=torch.float32)
-    library.int4_linear(
-        flat.data_ptr(), nibbles.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), rows, nibbles.shape[0], features, torch.get_num_threads(),
-    )  # fmt: skip
-    return out.reshape(*x.shape[:-1], nibbles.shape[0])
-
-
-def _build(source_path: Path, isa_flags: list[str], name: str) -> tuple[ctypes.CDLL | None, str]:
-    """`source_path` compiled for x86-64 with `isa_flags` into the cache unless already there, and loaded."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"{name} is written for x86-64, this CPU is {platform.machine()}"
-    flags = [*_FLAGS, *isa_flags]
+    flags = [*_FLAGS, *_ISA_FLAGS[capability]]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        return None, f"no C compiler (cc, gcc or $CC) to build {name}"
+        return None, "no C compiler (cc, gcc or $CC) to build the small-row kernel"
     source = source_path.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
     from .models import cache_dir  # models imports transformers' loaders; only needed here
 
-    library = cache_dir() / "kernels" / f"{source_path.stem}-{digest}.so"
+    library = cache_dir() / "kernels" / f"small_linear-{digest}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         built = sibling(library, "so")
@@ -185,13 +132,16 @@ def _build(source_path: Path, isa_flags: list[str], name: str) -> tuple[ctypes.C
             os.replace(built, library)  # another process may have built it too: same bytes
         except (OSError, subprocess.SubprocessError) as exc:
             detail = exc.stderr.decode(errors="replace").strip() if isinstance(exc, subprocess.CalledProcessError) else exc
-            return None, f"building {name} with {compiler} failed: {detail}"
+            return None, f"building the small-row kernel with {compiler} failed: {detail}"
         finally:
             built.unlink(missing_ok=True)
     try:
-        return ctypes.CDLL(str(library)), ""
+        lib = ctypes.CDLL(str(library))
     except OSError as exc:
-        return None, f"loading {name} {library} failed: {exc}"
+        return None, f"loading the small-row kernel {library} failed: {exc}"
+    lib.small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.small_linear.restype = None
+    return lib, ""
 
 
 def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from .loading import Int4Linear, Int8Linear
+from .loading import Int8Linear
 from .tree import DraftTree, tree_attention_mask
 from .verify import sliding_window
 
@@ -159,39 +159,29 @@ def _unsupported(model: PreTrainedModel) -> str:
 
 
 def _fused_qkv(attention: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Queries, keys and values side by side. In int8 (and 4 bits), from one product: the three share
-    their input, and k and v are so small that a call of their own costs more than their weights
-    (k: 128 x 896 for the 0.5B Qwen). Each row keeps its own scales, so the results are the same. The
-    fused weights are a copy (25 MB for that model in int8); the model keeps its own."""
+    """Queries, keys and values side by side. In int8, from one product: the three share their input,
+    and k and v are so small that a call of their own costs more than their weights (k: 128 x 896
+    for the 0.5B Qwen). Each row keeps its own channel's scale, so the results are the same. The
+    fused weights are a copy (25 MB for that model); the model keeps its own."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    int8s = [p.int8 if isinstance(p, Int4Linear) else p for p in projections]
-    if not all(isinstance(p, Int8Linear) for p in int8s):
+    if not all(isinstance(p, Int8Linear) for p in projections):
         linears = [_linear(p) for p in projections]
         return lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
-    weights, biases = zip(*(p.weight_and_bias() for p in int8s))
+    weights, biases = zip(*(p.weight_and_bias() for p in projections))
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
-    fused = _int8_layer(torch.cat([w.int_repr() for w in weights]), torch.cat([w.q_per_channel_scales() for w in weights]),
-                        torch.cat([w.q_per_channel_zero_points() for w in weights]), bias, int8s[0].reduce_range)
-    if all(isinstance(p, Int4Linear) for p in projections):
-        fused = Int4Linear.stacked(projections, fused)
-    return _linear(fused)
+    return _int8_product(torch.cat([w.int_repr() for w in weights]), torch.cat([w.q_per_channel_scales() for w in weights]),
+                         torch.cat([w.q_per_channel_zero_points() for w in weights]), bias, projections[0].reduce_range)
 
 
 def _row_products(module: torch.nn.Module) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """A maker of `module`'s product over chosen output rows alone: for `ids`, a copy of those rows'
-    weights (4 bits, int8 or fp32), each row with its own scales, so every logit is the one the whole product gives."""
-    int8 = module.int8 if isinstance(module, Int4Linear) else module
-    if isinstance(int8, Int8Linear):
-        weight, bias = int8.weight_and_bias()
+    weights (int8 or fp32), each row with its own scale, so every logit is the one the whole product gives."""
+    if isinstance(module, Int8Linear):
+        weight, bias = module.weight_and_bias()
         ints, scales, zero_points = weight.int_repr(), weight.q_per_channel_scales(), weight.q_per_channel_zero_points()
-
-        def rows(ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-            layer = _int8_layer(ints[ids], scales[ids], zero_points[ids], None if bias is None else bias[ids], int8.reduce_range)
-            return _linear(module.rows_of(ids, layer) if isinstance(module, Int4Linear) else layer)
-
-        return rows
+        return lambda ids: _int8_product(ints[ids], scales[ids], zero_points[ids], None if bias is None else bias[ids], module.reduce_range)
     if type(module) is torch.nn.Linear:
         return lambda ids: _dense_product(module.weight[ids], None if module.bias is None else module.bias[ids])
     return lambda ids: lambda x: module(x)[..., ids]
@@ -201,18 +191,16 @@ def _dense_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[
     return lambda x: F.linear(x, weight, bias)
 
 
-def _int8_layer(weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, bias: torch.Tensor | None,
-                reduce_range: bool) -> Int8Linear:
-    """The int8 layer with integer weights `weight` [out, in] at per-output-row `scales`."""
+def _int8_product(weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, bias: torch.Tensor | None,
+                  reduce_range: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The int8 product with integer weights `weight` [out, in] at per-output-row `scales`."""
     packed = torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(weight, scales, zero_points, 0), bias)
-    return Int8Linear(packed, reduce_range)
+    return _linear(Int8Linear(packed, reduce_range))
 
 
 def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The module's product as one operator call: a module call costs more than the product of a
     small draft model's layer for one token (int8: `Int8Linear`, whose forward this repeats)."""
-    if isinstance(module, Int4Linear):
-        return module.forward
     if isinstance(module, Int8Linear):
         packed, reduce_range = module.packed, module.reduce_range
         return lambda x: torch.ops.quantized.linear_dynamic(x, packed, reduce_range=reduce_range)

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import cpu_linear, models
+from . import models
 from .errors import InvalidArgumentError
-
-# Forwards over up to this many tokens run the 4-bit kernel (docs/benchmarks.md, section 4.7).
-INT4_ROWS = 3
 
 
 def default_dtype(device: str = "cpu") -> torch.dtype:
@@ -67,43 +64,31 @@ def load_model(
     return model, tokenizer
 
 
-def int8_draft_model(model: PreTrainedModel, *, int4_rows: int = INT4_ROWS) -> PreTrainedModel:
-    """Convert a CPU draft model's linear layers, in place, to compute in int8 (`Int8Linear`), and where
-    this CPU runs the 4-bit kernel, forwards over at most `int4_rows` tokens in 4 bits (`Int4Linear`;
-    0: int8 only).
+def int8_draft_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Convert a CPU draft model's linear layers, in place, to compute in int8 (`Int8Linear`).
 
     For draft models only: the target verifies every drafted token, so the output never changes;
     a draft model that agrees less with the target just gets fewer tokens accepted. Measured on this
     project's 2-core AVX2 machine at 500 tokens of context (docs/benchmarks.md section 1), a forward
     of qwen2.5-coder-0.5b-instruct over 1 token takes 44 ms in int8 against 120 ms in fp32, over
     8 tokens 62 ms against 288 ms: a draft token then costs an eighth of a 1.5B target step, not
-    a third. On the AVX512-VNNI machine the 4-bit kernel reads that draft's layers in 10-13 ms for
-    1-3 tokens against int8's 17, and agrees with the target at least as often (section 4.7).
+    a third.
     """
     if model.device.type != "cpu":
         raise InvalidArgumentError(f"int8 drafting is for CPU models; this one is on {model.device}")
-    if int4_rows < 0:
-        raise InvalidArgumentError(f"int4_rows must be >= 0, got {int4_rows}")
     quantize = getattr(getattr(torch, "ao", None), "quantization", None)
     if quantize is None or not hasattr(quantize, "quantize_dynamic"):
         raise InvalidArgumentError(f"torch {torch.__version__} has no torch.ao.quantization.quantize_dynamic for int8 drafting")
-    int4 = int4_rows > 0 and cpu_linear.int4_linear_library()[0] is not None
-    # From the fp32 weights, before int8 rounds them.
-    weights = {name: m.weight for name, m in model.named_modules() if int4 and type(m) is torch.nn.Linear and m.in_features % cpu_linear.INT4_GROUP == 0}
     with warnings.catch_warnings():
         # Eager-mode quantization is deprecated in favour of torchao, and still works in the pinned torch.
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
         quantize.quantize_dynamic(model.float(), {torch.nn.Linear: quantize.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
     full_range = cpu_has_vnni()
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
-                layer = Int8Linear(child._packed_params._packed_params, reduce_range=not full_range)
-                weight = weights.get(f"{parent_name}.{name}" if parent_name else name)
-                if weight is not None:
-                    layer = Int4Linear(layer, *cpu_linear.int4_weights(weight), layer.weight_and_bias()[1], int4_rows)
-                setattr(parent, name, layer)
+                setattr(parent, name, Int8Linear(child._packed_params._packed_params, reduce_range=not full_range))
     return model.eval()
 
 
@@ -128,37 +113,6 @@ class Int8Linear(torch.nn.Module):
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The quantized weight (per channel) and the fp32 bias."""
         return torch.ops.quantized.linear_unpack(self.packed)
-
-
-class Int4Linear(torch.nn.Module):
-    """An `Int8Linear` whose forwards over at most `rows` rows read a 4-bit copy of its weights instead
-    (`kernels/int4_linear.c`: groups of 128 weights with their own scale; activations in int8 by
-    groups too). Those forwards are drafting's usual ones and are bound by reading the weights, half
-    as many bytes in 4 bits; from 4 rows on, fbgemm's int8 product is as fast (docs/benchmarks.md, 4.7).
-    """
-
-    def __init__(self, int8: Int8Linear, nibbles: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, rows: int):
-        super().__init__()
-        self.int8, self.rows = int8, rows
-        self.nibbles, self.scales = nibbles, scales
-        self.bias = None if bias is None else bias.float().contiguous()
-        self._library = cpu_linear.int4_linear_library()[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > self.rows * x.shape[-1]:
-            return self.int8(x)
-        return cpu_linear.run_int4_linear(self._library, x, self.nibbles, self.scales, self.bias)
-
-    def rows_of(self, ids: torch.Tensor, int8: Int8Linear) -> Int4Linear:
-        """The layer over output rows `ids` alone, with `int8` the int8 layer over those rows."""
-        return Int4Linear(int8, self.nibbles[ids].contiguous(), self.scales[ids].contiguous(), None if self.bias is None else self.bias[ids], self.rows)
-
-    @staticmethod
-    def stacked(layers: Sequence[Int4Linear], int8: Int8Linear) -> Int4Linear:
-        """One layer computing `layers`' outputs side by side (they share their input), with `int8` theirs in int8."""
-        biases = [layer.bias if layer.bias is not None else torch.zeros(layer.nibbles.shape[0]) for layer in layers]
-        bias = torch.cat(biases) if any(layer.bias is not None for layer in layers) else None
-        return Int4Linear(int8, torch.cat([layer.nibbles for layer in layers]), torch.cat([layer.scales for layer in layers]), bias, layers[0].rows)
 
 
 def cpu_has_vnni() -> bool:

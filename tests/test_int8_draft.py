@@ -17,7 +17,7 @@ def test_every_linear_layer_computes_in_int8_with_the_range_the_cpu_allows(monke
     monkeypatch.setattr(loading, "cpu_has_vnni", lambda: vnni)
     model = tiny_model("qwen2", seed=0)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    int8_draft_model(model, int4_rows=0)
+    int8_draft_model(model)
     converted = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(converted) == linears and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert {m.reduce_range for m in converted} == {not vnni}
@@ -36,7 +36,7 @@ def test_per_channel_weights_and_full_range_activations_come_closer_to_fp32():
         per_tensor = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)[0]
     model = torch.nn.Sequential(linear)
     model.device = torch.device("cpu")  # what int8_draft_model checks of a transformers model
-    int8_draft_model(model, int4_rows=0)
+    int8_draft_model(model)
     ours = model[0]
     assert isinstance(ours, Int8Linear)
 
