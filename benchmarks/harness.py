@@ -24,6 +24,9 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import (
@@ -61,13 +64,55 @@ def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method
     """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model);
     `fast` runs its forwards' linear layers through our engine's CPU kernels (cpu_linear.py)."""
 
+    assistant = kwargs.get("assistant_model")
+
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
-        with FastLinear() if fast else contextlib.nullcontext():
+        counted = ForwardCounter(engine.model, assistant) if assistant is not None else contextlib.nullcontext()
+        with FastLinear() if fast else contextlib.nullcontext(), counted:
             out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
-        return {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "decode_tokens": out.decode_tokens,
-                "forwards": None}
+        result = {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "decode_tokens": out.decode_tokens,
+                  "forwards": None}
+        return result | (counted.counts() if assistant is not None else {})
 
     return run
+
+
+class ForwardCounter:
+    """Within this context, the forwards of transformers' assisted generation, counted as ours are:
+    the target's (its first, the prefill that also verifies the first draft, counted apart) and the
+    assistant's by tokens fed, and the seconds inside the assistant's forwards after that prefill
+    (its drafting during decode; transformers' own bookkeeping around them is left out)."""
+
+    def __init__(self, target: torch.nn.Module, assistant: torch.nn.Module):
+        self._models = {"target": target, "draft": assistant}
+        self._sizes: dict[str, Counter[int]] = {"target": Counter(), "draft": Counter()}
+        self._prefilled, self._drafting_s, self._started, self._handles = False, 0.0, 0.0, []
+
+    def __enter__(self) -> Self:
+        for name, model in self._models.items():
+            self._handles += [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                              model.register_forward_hook(lambda m, a, k, out, name=name: self._after(name, a, k), with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, name: str, args: tuple, kwargs: dict) -> None:
+        if name == "target" and not self._prefilled:
+            self._prefilled = True
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._sizes[name][ids.shape[-1] if ids is not None else 1] += 1
+        if name == "draft" and self._prefilled:
+            self._drafting_s += time.perf_counter() - self._started
+
+    def counts(self) -> dict:
+        return {"forwards": sum(self._sizes["target"].values()) + self._prefilled, "forward_sizes": _by_size(self._sizes["target"]),
+                "draft_forward_sizes": _by_size(self._sizes["draft"]), "drafting_s": self._drafting_s}
 
 
 def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], budget: int | None = None,
@@ -241,8 +286,8 @@ def modeled_decode_s(run: dict, costs: dict[str, dict]) -> float | None:
     target = CostModel({int(q): s for q, s in costs["target"].items()}, learn=False)
     if run["method"] == "hf-greedy:fast":
         return _decode_tokens(run) * target(1)
-    if "forward_sizes" not in run:
-        return None
+    if "forward_sizes" not in run or run["method"].startswith("hf-"):
+        return None  # transformers' assistant drafts through its own forward, not the curve's
     total = sum(n * target(int(q)) for q, n in run["forward_sizes"].items())
     if run.get("draft_forward_sizes"):
         draft = CostModel({int(q): s for q, s in costs["draft"].items()}, learn=False)

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from conftest import tiny_model
-from harness import engine_method, modeled_decode_s, renamed, summarize, with_modeled
+from harness import engine_method, hf_method, modeled_decode_s, renamed, summarize, with_modeled
 
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 from rag_speculate.baseline import timed_generate
@@ -95,6 +95,27 @@ def test_timed_assisted_generation_leaves_the_tokens_of_its_first_step_out_of_de
     assisted = timed_generate(model, ids, 24, assistant_model=tiny_model("llama", seed=0))
     assert assisted.token_ids == plain.token_ids
     assert 0 < assisted.decode_tokens < len(assisted.token_ids) - 1
+
+
+def test_assisted_generation_counts_its_forwards_as_ours_are(tokenizer):
+    model, assistant = tiny_model("llama", seed=0), tiny_model("llama", seed=1)  # another model: drafts get rejected
+    assisted = hf_method(SpeculativeEngine(model, tokenizer), assistant_model=assistant)  # the engine probes its model
+    calls = {"target": [], "draft": []}
+    for name, m in (("target", model), ("draft", assistant)):
+        m.register_forward_hook(lambda mod, args, kwargs, out, name=name: calls[name].append(kwargs["input_ids"].shape[-1]), with_kwargs=True)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+    run = assisted(ids, None, 24)
+    assert run["forwards"] == len(calls["target"]) > 2
+    # The first target forward is the prefill; the rest verify drafts of 1 or more tokens.
+    assert run["forward_sizes"] == {str(q): calls["target"][1:].count(q) for q in set(calls["target"][1:])}
+    assert sum(run["draft_forward_sizes"].values()) == len(calls["draft"])
+    assert run["drafting_s"] > 0
+    run["method"], run["item"], run["category"], run["identical"] = "hf-assisted", "a", "qa", True
+    assert modeled_decode_s(run, {"target": {"1": 1.0}, "draft": {"1": 1.0}}) is None
+    summary = summarize([run], ["hf-assisted"], bases=[])["qa"]["methods"]["hf-assisted"]
+    assert summary["forwards"]["target"] == len(calls["target"]) - 1
+    # Its hooks are gone: a later generate is not counted.
+    assert len(model._forward_hooks) == len(assistant._forward_hooks) == 1
 
 
 def test_a_renamed_variant_replaces_the_method_it_is_pooled_as():
