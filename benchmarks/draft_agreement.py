@@ -8,6 +8,7 @@ torch.ao's defaults (one scale per tensor, 7-bit activations), and in int8 as
 `loading.int8_draft_model` makes it (one scale per output channel, 8-bit activations where VNNI allows).
 
     python3 benchmarks/draft_agreement.py --results benchmarks/results/kernel512_n4.json
+    python3 benchmarks/draft_agreement.py --results benchmarks/results/kernel512_n4.json --stepwise   # as drafting feeds tokens
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from spec_bench import DEFAULT_DATA, load_items
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import SpeculativeEngine
@@ -35,10 +37,19 @@ def torch_ao_int8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def agreeing(model: torch.nn.Module, prompt: list[int], output: list[int], head: torch.Tensor | None = None) -> int:
+def agreeing(model: torch.nn.Module, prompt: list[int], output: list[int], head: torch.Tensor | None = None,
+             stepwise: bool = False) -> int:
     """Output positions where the draft's argmax, reading the target's tokens before, is the target's token;
-    `head`: the ids its output head scores (OuroborosDrafter's `head_vocabulary`), or None for all."""
-    logits = model(input_ids=torch.tensor([prompt + output]), logits_to_keep=len(output) + 1).logits[0, :-1]
+    `head`: the ids its output head scores (OuroborosDrafter's `head_vocabulary`), or None for all.
+    `stepwise`: the output fed one token per forward after the prompt's prefill, as drafting feeds it;
+    else prompt and output in one forward (an int8 draft then quantizes all their activations together)."""
+    if stepwise:
+        cache = DynamicCache(config=model.config)
+        steps = [model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
+        steps += [model(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in output[:-1]]
+        logits = torch.stack(steps)
+    else:
+        logits = model(input_ids=torch.tensor([prompt + output]), logits_to_keep=len(output) + 1).logits[0, :-1]
     chosen = logits.argmax(-1) if head is None else head[logits[:, head].argmax(-1)]
     return int((chosen == torch.tensor(output)).sum())
 
@@ -51,6 +62,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--head-vocabulary", type=int, nargs="*", default=[],
                         help="also the int8 draft with its head scoring only the N lowest ids and the prompt's (OuroborosDrafter)")
+    parser.add_argument("--stepwise", action="store_true",
+                        help="feed each output token in a forward of its own after the prompt's prefill, as drafting does "
+                             "(slower); by default the prompt and the whole output go in one forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     greedy = {(r["category"], r["item"]): r["tokens"] for r in json.loads(args.results.read_text())["runs"] if r["method"] == "hf-greedy"}
@@ -68,10 +82,11 @@ def main() -> None:
         runs = [(name, model, None) for name, model in drafts.items()]
         runs += [(name, drafts["int8, int8_draft_model"], torch.cat(head_ids(engine.tokenizer, n, fp32.config.vocab_size, item.prompt_ids))) for name, n in heads.items()]
         for name, model, head in runs:
-            counts[item.category, name][0] += agreeing(model, item.prompt_ids, output, head)
+            counts[item.category, name][0] += agreeing(model, item.prompt_ids, output, head, args.stepwise)
             counts[item.category, name][1] += len(output)
     categories = list(dict.fromkeys(it.category for it in items))
-    print(f"\nDraft argmax = target's greedy token, {len(items)} items ({args.results.name}); VNNI: {cpu_has_vnni()}\n")
+    fed = "one output token per forward" if args.stepwise else "prompt and output in one forward"
+    print(f"\nDraft argmax = target's greedy token, {len(items)} items ({args.results.name}), {fed}; VNNI: {cpu_has_vnni()}\n")
     print("| draft | " + " | ".join(categories) + " |\n|---|" + "---:|" * len(categories))
     for name in [*drafts, *heads]:
         print(f"| {name} | " + " | ".join(f"{counts[c, name][0] / counts[c, name][1]:.3f} ({counts[c, name][1]})" for c in categories) + " |")
