@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -62,19 +62,47 @@ class Item:
 
 def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method:
     """transformers' own `generate`, greedy, with extra arguments (prompt lookup, an assistant model);
-    `fast` runs its forwards' linear layers through our engine's CPU kernels (cpu_linear.py)."""
+    `fast` runs its models' forwards through our engine's CPU kernels where our engine would
+    (`fast_forwards`)."""
 
     assistant = kwargs.get("assistant_model")
+    models = [m for m in (engine.model, assistant) if m is not None]
+    served = [m for m in models if fast and fast_linear_works(m)[0]]
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         counted = ForwardCounter(engine.model, assistant) if assistant is not None else contextlib.nullcontext()
-        with FastLinear() if fast else contextlib.nullcontext(), counted:
+        with fast_forwards(served), counted:
             out = timed_generate(engine.model, ids, max_new_tokens, **kwargs)
         result = {"tokens": out.token_ids, "total_s": out.total_s, "decode_s": out.decode_s, "decode_tokens": out.decode_tokens,
                   "forwards": None}
         return result | (counted.counts() if assistant is not None else {})
 
     return run
+
+
+@contextlib.contextmanager
+def fast_forwards(models: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Within this context, the forwards of `models`, and nothing else, run inside `FastLinear`, as
+    our engine runs its target's and draft model's. The mode costs every torch call a Python
+    dispatch: around the whole of `generate` it slowed the int8 assistant's forward, which no fast
+    kernel serves, from 28 ms to 34 (docs/benchmarks.md section 4.9)."""
+    own = [(m, m.__dict__.get("forward")) for m in models]
+    for model, _ in own:
+        forward = model.forward
+
+        def fast(*args, forward=forward, **kwargs):
+            with FastLinear():
+                return forward(*args, **kwargs)
+
+        model.forward = fast
+    try:
+        yield
+    finally:
+        for model, forward in own:
+            if forward is None:
+                del model.forward
+            else:
+                model.forward = forward
 
 
 class ForwardCounter:

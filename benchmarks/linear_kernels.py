@@ -1,4 +1,4 @@
-"""Milliseconds per pass of a few-row fp32 product over several weight matrices, by kernel.
+"""Milliseconds per pass of a few-row fp32 (or bf16) product over several weight matrices, by kernel.
 
 Decoding and verification multiply 1-17 rows by every weight of the model; this times the
 kernels `rag_speculate.cpu_linear` chooses between on matrices of one layer's shape (by default
@@ -6,6 +6,7 @@ six of the 1.5B Qwen's MLP, 330 MB, more than the caches hold), rows interleaved
 hits every kernel alike. Prints a markdown table.
 
     python3 benchmarks/linear_kernels.py --rows 1 2 5 9 16 24 33
+    python3 benchmarks/linear_kernels.py --dtype bfloat16 --rows 1 2 3 5 9 17   # torch's bf16 product and ours
     python3 benchmarks/linear_kernels.py --variant before=OLD.c   # another version of small_linear.c beside it
 """
 
@@ -26,18 +27,18 @@ from rag_speculate import cpu_linear
 def kernels(weights: list[torch.Tensor], rows: list[int], variants: dict[str, Path]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
     """Kernels by name, each called with the input and the index of its weight; `variants`: other
     versions of `kernels/small_linear.c` by name, built with the same flags."""
-    # MKL with the weights packed once per row count (a copy of every weight): measured to show
-    # that packing ahead does not rescue MKL at these sizes; not a kernel the engine uses.
-    packed = {r: [torch.ops.mkl._mkl_reorder_linear_weight(w, r) for w in weights] for r in rows}
-    found = {
-        "torch": lambda x, i: F.linear(x, weights[i]),
-        "MKL prepacked": lambda x, i: torch.ops.mkl._mkl_linear(x, packed[x.shape[0]][i], weights[i], None, x.shape[0]),
-        "oneDNN": lambda x, i: cpu_linear._onednn_linear(x, weights[i], None),
-    }
-    if cpu_linear.small_linear_library()[0] is not None:
+    dtype = weights[0].dtype
+    found = {"torch": lambda x, i: F.linear(x, weights[i])}
+    if dtype == torch.float32:  # in bf16 torch's product is oneDNN's, and MKL has none
+        # MKL with the weights packed once per row count (a copy of every weight): measured to show
+        # that packing ahead does not rescue MKL at these sizes; not a kernel the engine uses.
+        packed = {r: [torch.ops.mkl._mkl_reorder_linear_weight(w, r) for w in weights] for r in rows}
+        found["MKL prepacked"] = lambda x, i: torch.ops.mkl._mkl_linear(x, packed[x.shape[0]][i], weights[i], None, x.shape[0])
+        found["oneDNN"] = lambda x, i: cpu_linear._onednn_linear(x, weights[i], None)
+    if cpu_linear.small_linear_library(dtype)[0] is not None:
         found["small_linear.c"] = lambda x, i: cpu_linear._small_linear(x, weights[i], None)
     for name, source in variants.items():
-        library, reason = cpu_linear.build_small_linear(source)
+        library, reason = cpu_linear.build_small_linear(source, dtype)
         if library is None:
             raise SystemExit(f"--variant {name}: {reason}")
         found[name] = lambda x, i, library=library: cpu_linear.run_small_linear(library, x, weights[i], None)
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--matrices", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=9, help="timed passes per kernel and row count (median)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                         help="also time another version of kernels/small_linear.c (e.g. `git show REV:rag_speculate/kernels/small_linear.c`)")
     args = parser.parse_args()
@@ -62,13 +64,14 @@ def main() -> None:
         variants[name] = Path(file)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = [torch.randn(*args.shape) for _ in range(args.matrices)]
+    dtype = getattr(torch, args.dtype)
+    weights = [torch.randn(*args.shape, dtype=dtype) for _ in range(args.matrices)]
     by_kernel = kernels(weights, args.rows, variants)
     if "small_linear.c" not in by_kernel:
-        print(f"(small-row kernel unavailable: {cpu_linear.small_linear_library()[1]})")
+        print(f"(small-row kernel unavailable: {cpu_linear.small_linear_library(dtype)[1]})")
     times: dict[tuple[str, int], list[float]] = {(k, r): [] for k in by_kernel for r in args.rows}
     with torch.inference_mode():
-        inputs = {r: torch.randn(r, args.shape[1]) for r in args.rows}
+        inputs = {r: torch.randn(r, args.shape[1], dtype=dtype) for r in args.rows}
         for _ in range(args.repeats + 1):  # the first round warms up and is dropped
             for r, x in inputs.items():
                 for name, kernel in by_kernel.items():
@@ -76,8 +79,8 @@ def main() -> None:
                     for i in range(len(weights)):
                         kernel(x, i)
                     times[name, r].append(time.perf_counter() - started)
-    megabytes = args.matrices * args.shape[0] * args.shape[1] * 4 / 1e6
-    print(f"\n{args.matrices} matrices of {args.shape[0]} x {args.shape[1]} fp32 ({megabytes:.0f} MB), "
+    megabytes = args.matrices * args.shape[0] * args.shape[1] * dtype.itemsize / 1e6
+    print(f"\n{args.matrices} matrices of {args.shape[0]} x {args.shape[1]} {args.dtype} ({megabytes:.0f} MB), "
           f"{args.threads} threads, ms per pass, median of {args.repeats}\n")
     print("| rows | " + " | ".join(by_kernel) + " |")
     print("|---:|" + "---:|" * len(by_kernel))

@@ -12,12 +12,16 @@ in place (no copy, no repacking, the model untouched):
   (section 1.4).
 - oneDNN's inner product, which torch ships, for 49 to 64 rows (and from 2 rows where the kernel
   above cannot be built; section 1.1: 2 tokens 500 ms, 9: 653, 17: 811).
+- In bf16, the same kernel built for AVX512-BF16 (where the CPU has it) for up to 48 rows: torch's
+  bf16 product reads the weights at about 15 GB/s here, this kernel at 30-40 (section 1.6).
 
-Prefills (more than 64 rows) keep torch's kernel. Any of these kernels rounds differently from
+Prefills (more than 64 rows in fp32, 48 in bf16) keep torch's kernel. Any of these kernels rounds differently from
 torch's in the last bits (on the 1.5B target over 16 tokens: logits at most 3e-5 from
 token-by-token decoding whichever kernel runs), the same rounding every speculative decoder's
 multi-token verification already has; greedy output stays token-identical to `model.generate`
-(the fp32 tests compare exactly, the benchmarks report every output).
+(the fp32 tests compare exactly, the benchmarks report every output). In bf16 no speculative
+decoder matches torch's bf16 greedy decoding token for token (section 1.5); the bf16 kernel at
+least sums each row alike whatever rows are beside it, as torch's does not.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ _SOURCE = Path(__file__).with_name("kernels") / "small_linear.c"
 _FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 # AVX-512 where torch found it (more registers: larger tiles, section 1.4), else AVX2.
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+_BF16_FLAGS = ["-mavx512bf16", "-DSMALL_LINEAR_BF16"]
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (none elsewhere)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,11 +63,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return run_small_linear(small_linear_library()[0], x, weight, bias)
+    return run_small_linear(small_linear_library(x.dtype)[0], x, weight, bias)
 
 
 def run_small_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` through a built small-row kernel (fp32, `weight` contiguous)."""
+    """`F.linear(x, weight, bias)` through a small-row kernel built for their dtype (`weight` contiguous)."""
     features = x.shape[-1]
     rows = x.numel() // features
     flat = x.reshape(rows, features).contiguous()
@@ -70,7 +83,8 @@ def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """The kernel this mode runs `F.linear(x, weight, bias)` with, or None for torch's own."""
     if not (
         x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in _KERNEL_DTYPES
         and x.layout == weight.layout == torch.strided
         and x.shape[-1] > 0
     ):
@@ -80,15 +94,17 @@ def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         rows <= _SMALL_MAX_ROWS
         and weight.dim() == 2
         and weight.is_contiguous()
-        and (bias is None or bias.dtype == torch.float32)
-        and small_linear_library()[0] is not None
+        and (bias is None or bias.dtype == x.dtype)
+        and small_linear_library(x.dtype)[0] is not None
     ):
         return _small_linear
-    return _onednn_linear if _ONEDNN_MIN_ROWS <= rows <= _ONEDNN_MAX_ROWS else None
+    # bf16: torch's own product is oneDNN's already.
+    fp32 = x.dtype == torch.float32
+    return _onednn_linear if fp32 and _ONEDNN_MIN_ROWS <= rows <= _ONEDNN_MAX_ROWS else None
 
 
 class FastLinear(TorchFunctionMode):
-    """Within this context, `F.linear` over 1-64 rows of CPU fp32 runs the faster kernels above."""
+    """Within this context, `F.linear` over 1-64 rows of CPU fp32 (1-48 of bf16) runs the faster kernels above."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,20 +118,26 @@ class FastLinear(TorchFunctionMode):
 
 
 @functools.cache
-def small_linear_library() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled small-row kernel, built into the cache on first use; or None and why not."""
-    return build_small_linear(_SOURCE)
+def small_linear_library(dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled small-row kernel for `dtype`, built into the cache on first use; or None and why not."""
+    return build_small_linear(_SOURCE, dtype)
 
 
-def build_small_linear(source_path: Path) -> tuple[ctypes.CDLL | None, str]:
-    """`source_path` (the kernel, or another version of it that a benchmark compares) compiled into the
-    cache unless already there, and loaded; or None and why not."""
+def build_small_linear(source_path: Path, dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
+    """`source_path` (the kernel, or another version of it that a benchmark compares) compiled for
+    `dtype` into the cache unless already there, and loaded; or None and why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the small-row kernel is written for x86-64, this CPU is {platform.machine()}"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _ISA_FLAGS:
         return None, f"the small-row kernel needs AVX2 and FMA; torch reports {capability}"
     flags = [*_FLAGS, *_ISA_FLAGS[capability]]
+    if dtype not in _KERNEL_DTYPES:
+        return None, f"the small-row kernel is for fp32 and bf16, not {dtype}"
+    if dtype == torch.bfloat16:
+        if capability != "AVX512" or "avx512_bf16" not in cpu_flags():
+            return None, "the bf16 small-row kernel needs AVX512-BF16, which this CPU lacks"
+        flags += _BF16_FLAGS
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc, gcc or $CC) to build the small-row kernel"
@@ -123,7 +145,7 @@ def build_small_linear(source_path: Path) -> tuple[ctypes.CDLL | None, str]:
     digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
     from .models import cache_dir  # models imports transformers' loaders; only needed here
 
-    library = cache_dir() / "kernels" / f"small_linear-{digest}.so"
+    library = cache_dir() / "kernels" / f"small_linear-{str(dtype).removeprefix('torch.')}-{digest}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         built = sibling(library, "so")
@@ -149,25 +171,31 @@ def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
 
     Tried on the model's own first linear layer against torch's product: oneDNN's operator may be
     missing from a torch build and refuses dtypes the CPU cannot compute in; the small-row kernel
-    may not build (it is then left out, and oneDNN serves from 2 rows).
+    may not build (in fp32 it is then left out, and oneDNN serves from 2 rows; bf16 needs it).
     """
     linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
     if linear is None:
         return False, "the model has no torch.nn.Linear layers"
     weight = linear.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False, f"the fast linear kernels are for fp32 on CPU only; the model is {weight.dtype} on {weight.device}"
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or weight.dtype not in _KERNEL_DTYPES:
+        return False, f"the fast linear kernels are for fp32 or bf16 on CPU only; the model is {weight.dtype} on {weight.device}"
+    if weight.dtype == torch.bfloat16:
+        library, reason = small_linear_library(torch.bfloat16)
+        if library is None:
+            return False, reason
+    elif not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available():
         return False, f"torch {torch.__version__} was built without oneDNN's linear operator"
+    # bf16 outputs keep 8 bits: torch's and ours may round a sum to neighbouring values.
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
     with torch.inference_mode():
         for rows in (1, 5, 20):
-            x = torch.linspace(-1, 1, rows * weight.shape[1]).reshape(rows, -1)
+            x = torch.linspace(-1, 1, rows * weight.shape[1], dtype=weight.dtype).reshape(rows, -1)
             want = F.linear(x, weight, linear.bias)
             try:
                 with FastLinear():
                     got = F.linear(x, weight, linear.bias)
             except RuntimeError as exc:
                 return False, f"a fast kernel refused the model's linear layer: {exc}"
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * (want.abs().max().item() + 1)):
+            if not torch.allclose(got, want, rtol=tolerance, atol=tolerance * (want.abs().max().item() + 1)):
                 return False, f"a fast kernel disagrees with torch's on the model's first linear layer ({rows} rows)"
     return True, ""

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import models
+from .cpu_linear import cpu_flags
 from .errors import InvalidArgumentError
 
 
@@ -23,15 +24,8 @@ def default_dtype(device: str = "cpu") -> torch.dtype:
     """
     if torch.device(device).type != "cpu":
         return torch.bfloat16
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (none elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 def load_model(
@@ -117,4 +111,4 @@ class Int8Linear(torch.nn.Module):
 
 def cpu_has_vnni() -> bool:
     """Whether this CPU has an int8 dot product without AVX2's int16 overflow (AVX512-VNNI or AVX-VNNI)."""
-    return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags())
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())

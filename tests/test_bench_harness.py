@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from conftest import tiny_model
@@ -15,6 +16,8 @@ from harness import engine_method, hf_method, modeled_decode_s, renamed, summari
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel
+from rag_speculate.cpu_linear import FastLinear
+from rag_speculate.loading import int8_draft_model
 
 # As JSON gives them back: sizes as strings.
 COSTS = {"target": {"1": 0.3, "5": 0.4, "9": 0.5}, "draft": {"1": 0.05, "9": 0.09}}
@@ -116,6 +119,30 @@ def test_assisted_generation_counts_its_forwards_as_ours_are(tokenizer):
     assert summary["forwards"]["target"] == len(calls["target"]) - 1
     # Its hooks are gone: a later generate is not counted.
     assert len(model._forward_hooks) == len(assistant._forward_hooks) == 1
+
+
+def test_fast_assisted_generation_runs_only_the_served_models_forwards_in_the_fast_mode(tokenizer, monkeypatch):
+    # Our engine runs an int8 draft model outside `FastLinear` (no kernel serves it, and the mode
+    # slows every torch call); transformers' assistant must be run alike.
+    model, assistant = tiny_model("llama", seed=0), int8_draft_model(tiny_model("llama", seed=1))
+    modes = {"target": [], "draft": []}
+    for name, m in (("target", model), ("draft", assistant)):
+        m.lm_head.register_forward_pre_hook(lambda mod, args, name=name: modes[name].append(_in_fast_mode()))  # inside forward
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+    engine = SpeculativeEngine(model, tokenizer)
+    fast, plain = hf_method(engine, fast=True, assistant_model=assistant), hf_method(engine, assistant_model=assistant)
+    runs = {}
+    for name, method in (("fast", fast), ("plain", plain)):
+        modes["target"].clear(), modes["draft"].clear()
+        runs[name] = method(ids, None, 16)["tokens"], list(modes["target"]), list(modes["draft"])
+    assert runs["fast"][0] == runs["plain"][0]
+    assert all(runs["fast"][1]) and runs["fast"][2] and not any(runs["fast"][2])
+    assert runs["plain"][1] and not any(runs["plain"][1])
+    assert "forward" not in model.__dict__ and "forward" not in assistant.__dict__
+
+
+def _in_fast_mode() -> bool:
+    return any(isinstance(mode, FastLinear) for mode in torch.overrides._get_current_function_mode_stack())
 
 
 def test_a_renamed_variant_replaces_the_method_it_is_pooled_as():

@@ -14,6 +14,9 @@ from rag_speculate.cpu_linear import FastLinear, fast_linear_works, small_linear
 needs_small_kernel = pytest.mark.skipif(
     small_linear_library()[0] is None, reason=f"small-row kernel unavailable: {small_linear_library()[1]}"
 )
+needs_bf16_kernel = pytest.mark.skipif(
+    small_linear_library(torch.bfloat16)[0] is None, reason=f"bf16 kernel unavailable: {small_linear_library(torch.bfloat16)[1]}"
+)
 
 
 def _count_kernels(monkeypatch) -> dict[str, int]:
@@ -52,28 +55,51 @@ def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features
         assert changed == ({kernel} if kernel else set()), rows
         if kernel is None:
             assert torch.equal(got, want)  # prefills: torch's own kernel, bit for bit
-    x = torch.randn(4, features, dtype=torch.bfloat16)
-    want = F.linear(x, weight.bfloat16())
+    x = torch.randn(4, features, dtype=torch.float16)
+    want = F.linear(x, weight.half())
     with FastLinear():
-        assert torch.equal(F.linear(x, weight.bfloat16()), want)  # not fp32: torch's kernel, bit for bit
+        assert torch.equal(F.linear(x, weight.half()), want)  # neither fp32 nor bf16: torch's kernel, bit for bit
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("features", [64, 19])  # a multiple of the kernel's 32 bf16 lanes, and a remainder
+def test_bf16_products_round_as_torchs_and_prefills_keep_torchs_kernel(monkeypatch, features):
+    served = _count_kernels(monkeypatch)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(41, features, dtype=torch.bfloat16), torch.randn(41, dtype=torch.bfloat16)
+    for rows, kernel in ((1, "small"), (5, "small"), (48, "small"), (49, None), (200, None)):
+        x = torch.randn(rows, features, dtype=torch.bfloat16)
+        exact = F.linear(x.float(), weight.float(), bias.float())
+        before = dict(served)
+        with FastLinear():
+            got, no_bias = F.linear(x, weight, bias), F.linear(x, weight)
+        assert got.dtype == torch.bfloat16
+        # Summed in fp32 and rounded once: within half a bf16 step (at most 2^-8 of it) of the exact product.
+        assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+        exact = F.linear(x.float(), weight.float())
+        assert ((no_bias.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+        changed = {name for name in served if served[name] != before[name]}
+        assert changed == ({kernel} if kernel else set()), rows
+        if kernel is None:
+            assert torch.equal(got, F.linear(x, weight, bias))
 
 
 
-@needs_small_kernel
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_small_kernel), pytest.param(torch.bfloat16, marks=needs_bf16_kernel)])
 @pytest.mark.parametrize("shape", [(41, 19), (48, 32), (9, 53)])  # outputs and inputs off and on the tiles and lanes
-def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape):
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape, dtype):
     # Verification feeds a token among up to 48 others; its logits must be the ones it gets alone,
     # bit for bit, or a draft's length could change a greedy token.
     torch.manual_seed(0)
-    weight, bias = torch.randn(*shape), torch.randn(shape[0])
-    x = torch.randn(24, shape[1])
+    weight, bias = torch.randn(*shape, dtype=dtype), torch.randn(shape[0], dtype=dtype)
+    x = torch.randn(24, shape[1], dtype=dtype)
     with FastLinear():
         together = F.linear(x, weight, bias)
         for start, rows in ((0, 1), (0, 2), (0, 5), (3, 4), (7, 17), (23, 1)):
             assert torch.equal(F.linear(x[start : start + rows], weight, bias), together[start : start + rows]), (start, rows)
 
 def test_without_the_small_kernel_onednn_serves_from_two_rows(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "small_linear_library", lambda: (None, "no compiler"))
+    monkeypatch.setattr(cpu_linear, "small_linear_library", lambda dtype=torch.float32: (None, "no compiler"))
     served = _count_kernels(monkeypatch)
     weight = torch.randn(40, 24)
     for rows in (1, 2, 16):
@@ -96,6 +122,9 @@ def test_a_kernel_that_cannot_build_says_why(monkeypatch, tmp_path):
         assert library is None
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
             assert "building the small-row kernel with /bin/false failed" in reason
+        assert small_linear_library(torch.float16) == (None, "the small-row kernel is for fp32 and bf16, not torch.float16") or (
+            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+        )
         assert not list(tmp_path.glob("kernels/*"))  # nothing half-built left behind
     finally:
         small_linear_library.cache_clear()
@@ -124,10 +153,21 @@ def test_engine_runs_fast_kernels_only_when_enabled_and_stays_lossless(arch, tok
     assert _served_by_engine(stock, ids, reference, monkeypatch) == {"small": 0, "onednn": 0}
 
 
+@needs_bf16_kernel
+def test_bf16_engine_runs_the_bf16_kernel_by_default(tokenizer, monkeypatch):
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+    with FastLinear():  # bf16 promises no identity with torch's kernel; with the same kernel, every row alike
+        reference = hf_greedy(model, ids, 40)
+    engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
+    assert engine.fast_linear
+    assert _served_by_engine(engine, ids, reference, monkeypatch)["small"] > 0
+
+
 def test_models_the_fast_kernels_cannot_serve_are_named(tokenizer):
-    model = tiny_model("qwen2").to(torch.bfloat16)
+    model = tiny_model("qwen2").to(torch.float16)
     works, reason = fast_linear_works(model)
-    assert not works and "bfloat16" in reason
+    assert not works and "float16" in reason
     assert not SpeculativeEngine(model, tokenizer).fast_linear
-    with pytest.raises(InvalidArgumentError, match="fast_linear=True.*bfloat16"):
+    with pytest.raises(InvalidArgumentError, match="fast_linear=True.*float16"):
         SpeculativeEngine(model, tokenizer, fast_linear=True)
