@@ -66,8 +66,7 @@ def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method
     (`fast_forwards`)."""
 
     assistant = kwargs.get("assistant_model")
-    models = [m for m in (engine.model, assistant) if m is not None]
-    served = [m for m in models if fast and fast_linear_works(m)[0]]
+    served = [m for m in (engine.model, assistant) if fast and m is not None and fast_linear_works(m)[0]]
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         counted = ForwardCounter(engine.model, assistant) if assistant is not None else contextlib.nullcontext()
