@@ -11,6 +11,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --tree --context 500
     python benchmarks/forward_cost.py ... --fast --kernel-variant OLD.c   # another small_linear.c, timed in the same rounds
+    python benchmarks/forward_cost.py ... --fast --torch-attention   # also with attention left to torch's kernel
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from rag_speculate import cpu_linear
-from rag_speculate.cpu_linear import FastLinear
+from rag_speculate import cpu_linear, fast_kernels
 from rag_speculate.drafters.ouroboros import head_ids
+from rag_speculate.fast_kernels import FastKernels
 from rag_speculate.lean_forward import LeanForward, lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
@@ -60,9 +61,13 @@ def parse_args() -> argparse.Namespace:
                              "context's (OuroborosDrafter's head_vocabulary)")
     parser.add_argument("--kernel-variant", type=Path, default=None, metavar="FILE",
                         help="with --fast: also time every q with another version of kernels/small_linear.c serving the small rows")
+    parser.add_argument("--torch-attention", action="store_true",
+                        help="with --fast: also time every q with the attention left to torch's kernel (cpu_attention.py off)")
     args = parser.parse_args()
     if args.kernel_variant and not (args.fast and args.kernel_variant.is_file()):
         parser.error("--kernel-variant needs --fast and an existing file")
+    if args.torch_attention and not (args.fast and not args.kernel_variant and args.head_vocabulary is None):
+        parser.error("--torch-attention needs --fast, and no other variant")
     if args.head_vocabulary is not None and not (args.lean and args.head_vocabulary > 0 and not args.kernel_variant):
         parser.error("--head-vocabulary needs --lean, a positive N and no --kernel-variant")
     return args
@@ -72,7 +77,7 @@ def parse_args() -> argparse.Namespace:
 def small_kernel(library) -> None:
     """The fast kernels' small rows served by `library` (another build of the kernel, to compare)."""
     saved = cpu_linear.small_linear_library
-    cpu_linear.small_linear_library = lambda: (library, "")
+    cpu_linear.small_linear_library = lambda dtype=None: (library, "")
     try:
         yield
     finally:
@@ -84,6 +89,17 @@ def load(model_name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedMo
         return load_packaged_model(model_name, dtype=dtype, device=device)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype, local_files_only=True).to(device).eval()
     return model, AutoTokenizer.from_pretrained(model_name, local_files_only=True)
+
+
+@contextlib.contextmanager
+def torch_attention() -> None:
+    """The fast kernels' mode with the attention left to torch's kernel (the linear kernels only)."""
+    saved = fast_kernels.small_attention
+    fast_kernels.small_attention = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fast_kernels.small_attention = saved
 
 
 @contextlib.contextmanager
@@ -109,7 +125,7 @@ def time_forward(
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
     synchronize(tokens.device)
     start = time.perf_counter()
-    with FastLinear() if fast else contextlib.nullcontext():
+    with FastKernels() if fast else contextlib.nullcontext():
         if verifier is not None:
             ids = tokens[0].tolist()
             verifier.forward_tree(cache, ids[0], DraftTree.chain(ids[1:]))
@@ -153,10 +169,12 @@ def main() -> None:
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     kernels = {"": contextlib.nullcontext}
     if args.kernel_variant:
-        library, reason = cpu_linear.build_small_linear(args.kernel_variant)
+        library, reason = cpu_linear.build_small_linear(args.kernel_variant, DTYPES[args.dtype])
         if library is None:
             sys.exit(f"--kernel-variant: {reason}")
         kernels["variant"], variant = (lambda: small_kernel(library)), args.kernel_variant.name
+    if args.torch_attention:
+        kernels["variant"], variant = torch_attention, "torch's attention"
     if args.head_vocabulary:
         groups = head_ids(tokenizer, args.head_vocabulary, model.config.vocab_size, prompt[0].tolist())
         kernels["variant"], variant = (lambda: restricted_head(lean, groups)), f"head of {sum(map(len, groups))} ids"
@@ -182,7 +200,7 @@ def main() -> None:
     # Other processes on a small machine distort timings; the load average shows it.
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast linear)' if args.fast else ''}{' (lean forward)' if args.lean else ''}{' (tree-shaped, as verified)' if args.tree else ''}, {args.device}, {args.threads} threads, "
+        f"\n{args.model}, {args.dtype}{' (linear layers int8)' if args.int8 else ''}{' (fast kernels)' if args.fast else ''}{' (lean forward)' if args.lean else ''}{' (tree-shaped, as verified)' if args.tree else ''}, {args.device}, {args.threads} threads, "
         f"context {args.context}, median of {args.repeats}, load average {load_average}\n"
     )
     # The minimum is the least disturbed run; a large gap to the median means noise.
@@ -232,7 +250,7 @@ def print_lean_difference(model: PreTrainedModel, lean: LeanForward, cache: Dyna
 def print_rounding(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor) -> None:
     """How far the logits land from `model.generate`'s (token by token, torch's kernel), by kernel and feeding."""
     def logits(fast: bool, one_by_one: bool) -> torch.Tensor:
-        with FastLinear() if fast else contextlib.nullcontext():
+        with FastKernels() if fast else contextlib.nullcontext():
             chunks = tokens.split(1, dim=1) if one_by_one else [tokens]
             out = torch.cat([model(input_ids=c, past_key_values=cache, use_cache=True).logits for c in chunks], dim=1)
         cache.crop(-tokens.shape[1])
@@ -243,6 +261,9 @@ def print_rounding(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Te
                                    (True, True, "fast kernels, token by token")):
         print(f"max |logit difference| over {tokens.shape[1]} tokens from torch's kernel token by token, {what}: "
               f"{(logits(fast, one_by_one) - reference).abs().max().item():.2e}")
+    # bf16 through the fast kernels: each row as alone, so 0 (cpu_attention.py).
+    print(f"max |logit difference| over {tokens.shape[1]} tokens, fast kernels, one forward from token by token: "
+          f"{(logits(True, False) - logits(True, True)).abs().max().item():.2e}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from rag_speculate import (
 )
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel, best_prefix
-from rag_speculate.cpu_linear import FastLinear, fast_linear_works
+from rag_speculate.cpu_linear import fast_linear_works
+from rag_speculate.fast_kernels import FastKernels
 from rag_speculate.lean_forward import lean_forward
 from rag_speculate.tree import ROOT
 from rag_speculate.verify import Verifier
@@ -81,7 +82,7 @@ def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method
 
 @contextlib.contextmanager
 def fast_forwards(models: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Within this context, the forwards of `models`, and nothing else, run inside `FastLinear`, as
+    """Within this context, the forwards of `models`, and nothing else, run inside `FastKernels`, as
     our engine runs its target's and draft model's. The mode costs every torch call a Python
     dispatch: around the whole of `generate` it slowed the int8 assistant's forward over one token,
     which no fast kernel serves, from 31 ms to 37 (docs/benchmarks.md section 4.9)."""
@@ -90,7 +91,7 @@ def fast_forwards(models: Sequence[torch.nn.Module]) -> Iterator[None]:
         forward = model.forward
 
         def fast(*args, forward=forward, **kwargs):
-            with FastLinear():
+            with FastKernels():
                 return forward(*args, **kwargs)
 
         model.forward = fast
@@ -146,8 +147,8 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
                   before: Callable[[], None] | None = None, fast: bool = True) -> Method:
     """Our engine with `drafter` on the same model (and, with the same kernels, the same measured cost curve)."""
     ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name,
-                             fast_linear=fast and engine.fast_linear)
-    if ours.fast_linear == engine.fast_linear:
+                             fast_kernels=fast and engine.fast_kernels)
+    if ours.fast_kernels == engine.fast_kernels:
         ours.cost_model = engine.cost_model
 
     # By what they count, not their class: an A/B's variant OuroborosDrafter is another class.
@@ -287,12 +288,12 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
     model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
 
     def curve(model, fast: bool, max_q: int, exact: bool = True, forward=None) -> dict[int, float]:
-        verifier = Verifier(model, fast_linear=fast, forward=forward)
+        verifier = Verifier(model, fast_kernels=fast, forward=forward)
         forward = verifier.timed_forward(verifier.supports_tree_attention(exact=exact)[0])
         tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
         return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
 
-    costs = {"target": curve(engine.model, engine.fast_linear, engine.draft_budget + 1)}
+    costs = {"target": curve(engine.model, engine.fast_kernels, engine.draft_budget + 1)}
     if draft_model is not None:
         # A draft forward feeds the output accepted since the last one, the root and the pool's tree.
         # As OuroborosDrafter runs it: through the lean forward where that fits, in tree mode where

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from .corpus import ChunkingOptions, CorpusIndex, drafting_documents, rag_messag
 from .drafters import NGramTrieDrafter, OuroborosDrafter, RESTDrafter
 from .engine import SpeculativeEngine
 from .errors import RagSpeculateError
+from .fast_kernels import FastKernels
 from .loading import int8_draft_model, load_model
 from .models import cache_dir
 from .result import GenerationResult
@@ -139,12 +141,16 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _progress("answering with speculative decoding")
     result, chunks = _answer(engine, index, question, args.top_k, args.max_new_tokens)
-    _progress("answering with plain greedy decoding (model.generate)")
-    plain = timed_generate(engine.model, engine.encode_prompt(rag_messages(question, chunks), chat=True), args.max_new_tokens)
+    # Through the engine's kernels, as its own forwards run: in bf16 only then is the output promised
+    # token for token (docs/design.md, "Losslessness"), and the speed-up is speculation's alone.
+    kernels = " through the same kernels" if engine.fast_kernels else ""
+    _progress(f"answering with plain greedy decoding (model.generate{kernels})")
+    with FastKernels() if engine.fast_kernels else contextlib.nullcontext():
+        plain = timed_generate(engine.model, engine.encode_prompt(rag_messages(question, chunks), chat=True), args.max_new_tokens)
 
     print(f"Question: {question}\n")
     print(f"Answer (speculative):\n{result.text}\n")
-    print(f"Answer (plain greedy):\n{engine.tokenizer.decode(plain.token_ids, skip_special_tokens=True)}\n")
+    print(f"Answer (plain greedy{kernels}):\n{engine.tokenizer.decode(plain.token_ids, skip_special_tokens=True)}\n")
     _print_sources(chunks)
     _print_stats(result)
     # Up to the first token: the drafters' setup (a draft model's own prefill) and the prefill.

@@ -29,23 +29,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from .files import sibling
+from .native_build import BASE_FLAGS, compile_kernel
 
 _SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, sections 1.2 and 1.4)
 _ONEDNN_MIN_ROWS, _ONEDNN_MAX_ROWS = 2, 64
 _SOURCE = Path(__file__).with_name("kernels") / "small_linear.c"
-_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 # AVX-512 where torch found it (more registers: larger tiles, section 1.4), else AVX2.
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 _BF16_FLAGS = ["-mavx512bf16", "-DSMALL_LINEAR_BF16"]
@@ -80,8 +74,8 @@ def run_small_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The kernel this mode runs `F.linear(x, weight, bias)` with, or None for torch's own."""
+def linear_kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The kernel `FastKernels` runs `F.linear(x, weight, bias)` with, or None for torch's own."""
     if not (
         x.device.type == "cpu"
         and x.dtype == weight.dtype
@@ -104,20 +98,6 @@ def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _onednn_linear if fp32 and _ONEDNN_MIN_ROWS <= rows <= _ONEDNN_MAX_ROWS else None
 
 
-class FastLinear(TorchFunctionMode):
-    """Within this context, `F.linear` over 1-64 rows of CPU fp32 (1-48 of bf16) runs the faster kernels above."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            kernel = _kernel_for(x, weight, bias)
-            if kernel is not None:
-                return kernel(x, weight, bias)
-        return func(*args, **kwargs)
-
-
 @functools.cache
 def small_linear_library(dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
     """The compiled small-row kernel for `dtype`, built into the cache on first use; or None and why not."""
@@ -132,36 +112,17 @@ def build_small_linear(source_path: Path, dtype: torch.dtype = torch.float32) ->
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _ISA_FLAGS:
         return None, f"the small-row kernel needs AVX2 and FMA; torch reports {capability}"
-    flags = [*_FLAGS, *_ISA_FLAGS[capability]]
+    flags = [*BASE_FLAGS, *_ISA_FLAGS[capability]]
     if dtype not in _KERNEL_DTYPES:
         return None, f"the small-row kernel is for fp32 and bf16, not {dtype}"
     if dtype == torch.bfloat16:
         if capability != "AVX512" or "avx512_bf16" not in cpu_flags():
             return None, "the bf16 small-row kernel needs AVX512-BF16, which this CPU lacks"
         flags += _BF16_FLAGS
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc, gcc or $CC) to build the small-row kernel"
-    source = source_path.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
-    from .models import cache_dir  # models imports transformers' loaders; only needed here
-
-    library = cache_dir() / "kernels" / f"small_linear-{str(dtype).removeprefix('torch.')}-{digest}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        built = sibling(library, "so")
-        try:
-            subprocess.run([compiler, *flags, str(source_path), "-o", str(built)], check=True, capture_output=True, timeout=120)
-            os.replace(built, library)  # another process may have built it too: same bytes
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = exc.stderr.decode(errors="replace").strip() if isinstance(exc, subprocess.CalledProcessError) else exc
-            return None, f"building the small-row kernel with {compiler} failed: {detail}"
-        finally:
-            built.unlink(missing_ok=True)
-    try:
-        lib = ctypes.CDLL(str(library))
-    except OSError as exc:
-        return None, f"loading the small-row kernel {library} failed: {exc}"
+    stem = f"small_linear-{str(dtype).removeprefix('torch.')}"
+    lib, reason = compile_kernel(source_path, flags, stem, "the small-row kernel")
+    if lib is None:
+        return None, reason
     lib.small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.small_linear.restype = None
     return lib, ""
@@ -192,9 +153,9 @@ def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
         for rows in (1, 5, 20):
             x = torch.linspace(-1, 1, rows * weight.shape[1], dtype=weight.dtype).reshape(rows, -1)
             want = F.linear(x, weight, linear.bias)
+            kernel = linear_kernel_for(x, weight, linear.bias)
             try:
-                with FastLinear():
-                    got = F.linear(x, weight, linear.bias)
+                got = kernel(x, weight, linear.bias) if kernel else want
             except RuntimeError as exc:
                 return False, f"a fast kernel refused the model's linear layer: {exc}"
             if not torch.allclose(got, want, rtol=tolerance, atol=tolerance * (want.abs().max().item() + 1)):

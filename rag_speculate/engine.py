@@ -62,11 +62,11 @@ class SpeculativeEngine:
         *,
         draft_budget: int | None = None,
         name: str | None = None,
-        fast_linear: bool | None = None,
+        fast_kernels: bool | None = None,
     ):
-        """`fast_linear`: the linear layers of decoding and verification forwards through faster CPU
-        kernels (cpu_linear.py); None uses them where they work (fp32 on CPU), True requires them,
-        False keeps torch's kernel."""
+        """`fast_kernels`: decoding and verification forwards through faster CPU kernels
+        (fast_kernels.py: linear layers, and bf16 attention); None uses them where the linear
+        kernels work (fp32 on CPU, bf16 with AVX512-BF16), True requires them, False keeps torch's."""
         if draft_budget is not None and draft_budget < 0:
             raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget}")
         self.model = model.eval()
@@ -79,8 +79,8 @@ class SpeculativeEngine:
         self.drafter.attach(tokenizer, self.vocab_size)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.fast_linear = _use_fast_linear(model, fast_linear)
-        self._verifier = Verifier(model, fast_linear=self.fast_linear)
+        self.fast_kernels = _use_fast_kernels(model, fast_kernels)
+        self._verifier = Verifier(model, fast_kernels=self.fast_kernels)
         self.tree_attention, reason = self._verifier.supports_tree_attention()
         if not self.tree_attention:
             warnings.warn(
@@ -322,12 +322,12 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
     raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
 
 
-def _use_fast_linear(model: PreTrainedModel, wanted: bool | None) -> bool:
+def _use_fast_kernels(model: PreTrainedModel, wanted: bool | None) -> bool:
     if wanted is False:
         return False
     works, reason = fast_linear_works(model)
     if wanted and not works:
-        raise InvalidArgumentError(f"fast_linear=True, but {reason}")
+        raise InvalidArgumentError(f"fast_kernels=True, but {reason}")
     return works
 
 

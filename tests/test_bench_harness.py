@@ -16,7 +16,7 @@ from harness import engine_method, hf_method, modeled_decode_s, renamed, summari
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 from rag_speculate.baseline import timed_generate
 from rag_speculate.budget import CostModel
-from rag_speculate.cpu_linear import FastLinear
+from rag_speculate.fast_kernels import FastKernels
 from rag_speculate.loading import int8_draft_model
 
 # As JSON gives them back: sizes as strings.
@@ -122,7 +122,7 @@ def test_assisted_generation_counts_its_forwards_as_ours_are(tokenizer):
 
 
 def test_fast_assisted_generation_runs_only_the_served_models_forwards_in_the_fast_mode(tokenizer, monkeypatch):
-    # Our engine runs an int8 draft model outside `FastLinear` (no kernel serves it, and the mode
+    # Our engine runs an int8 draft model outside `FastKernels` (no kernel serves it, and the mode
     # slows every torch call); transformers' assistant must be run alike.
     model, assistant = tiny_model("llama", seed=0), int8_draft_model(tiny_model("llama", seed=1))
     modes = {"target": [], "draft": []}
@@ -142,7 +142,7 @@ def test_fast_assisted_generation_runs_only_the_served_models_forwards_in_the_fa
 
 
 def _in_fast_mode() -> bool:
-    return any(isinstance(mode, FastLinear) for mode in torch.overrides._get_current_function_mode_stack())
+    return any(isinstance(mode, FastKernels) for mode in torch.overrides._get_current_function_mode_stack())
 
 
 def test_a_renamed_variant_replaces_the_method_it_is_pooled_as():

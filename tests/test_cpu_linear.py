@@ -7,9 +7,17 @@ import torch
 import torch.nn.functional as F
 from conftest import hf_greedy, tiny_model
 
-from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine, cpu_linear
+from rag_speculate import (
+    InvalidArgumentError,
+    NGramTrieDrafter,
+    SpeculativeEngine,
+    cpu_attention,
+    cpu_linear,
+    fast_kernels,
+)
 from rag_speculate.budget import CostModel
-from rag_speculate.cpu_linear import FastLinear, fast_linear_works, small_linear_library
+from rag_speculate.cpu_linear import fast_linear_works, small_linear_library
+from rag_speculate.fast_kernels import FastKernels
 
 needs_small_kernel = pytest.mark.skipif(
     small_linear_library()[0] is None, reason=f"small-row kernel unavailable: {small_linear_library()[1]}"
@@ -43,7 +51,7 @@ def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features
         x = torch.randn(1, rows, features)
         want, want_no_bias = F.linear(x, weight, bias), F.linear(x, weight)
         before = dict(served)
-        with FastLinear():
+        with FastKernels():
             got = F.linear(x, weight, bias)
             no_bias = F.linear(x, weight)
             strided = F.linear(x.transpose(1, 2).contiguous().transpose(1, 2), weight, bias)  # not contiguous
@@ -57,7 +65,7 @@ def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features
             assert torch.equal(got, want)  # prefills: torch's own kernel, bit for bit
     x = torch.randn(4, features, dtype=torch.float16)
     want = F.linear(x, weight.half())
-    with FastLinear():
+    with FastKernels():
         assert torch.equal(F.linear(x, weight.half()), want)  # neither fp32 nor bf16: torch's kernel, bit for bit
 
 
@@ -71,7 +79,7 @@ def test_bf16_products_round_as_torchs_and_prefills_keep_torchs_kernel(monkeypat
         x = torch.randn(rows, features, dtype=torch.bfloat16)
         exact = F.linear(x.float(), weight.float(), bias.float())
         before = dict(served)
-        with FastLinear():
+        with FastKernels():
             got, no_bias = F.linear(x, weight, bias), F.linear(x, weight)
         assert got.dtype == torch.bfloat16
         # Summed in fp32 and rounded once: within half a bf16 step (at most 2^-8 of it) of the exact product.
@@ -93,7 +101,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape, dtype):
     torch.manual_seed(0)
     weight, bias = torch.randn(*shape, dtype=dtype), torch.randn(shape[0], dtype=dtype)
     x = torch.randn(24, shape[1], dtype=dtype)
-    with FastLinear():
+    with FastKernels():
         together = F.linear(x, weight, bias)
         for start, rows in ((0, 1), (0, 2), (0, 5), (3, 4), (7, 17), (23, 1)):
             assert torch.equal(F.linear(x[start : start + rows], weight, bias), together[start : start + rows]), (start, rows)
@@ -104,7 +112,7 @@ def test_without_the_small_kernel_onednn_serves_from_two_rows(monkeypatch):
     weight = torch.randn(40, 24)
     for rows in (1, 2, 16):
         x = torch.randn(rows, 24)
-        with FastLinear():
+        with FastKernels():
             got = F.linear(x, weight)
         if rows == 1:
             assert torch.equal(got, F.linear(x, weight))
@@ -144,28 +152,40 @@ def test_engine_runs_fast_kernels_only_when_enabled_and_stays_lossless(arch, tok
     ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
     reference = hf_greedy(model, ids, 40)
     default = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert default.fast_linear  # fp32 on CPU: on by default
+    assert default.fast_kernels  # fp32 on CPU: on by default
     served = _served_by_engine(default, ids, reference, monkeypatch)
     assert served["small" if small_linear_library()[0] is not None else "onednn"] > 0
-    stock = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), fast_linear=False)
+    stock = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), fast_kernels=False)
     assert _served_by_engine(stock, ids, reference, monkeypatch) == {"small": 0, "onednn": 0}
 
 
 @needs_bf16_kernel
-def test_bf16_engine_runs_the_bf16_kernel_by_default(tokenizer, monkeypatch):
-    model = tiny_model("qwen2", dtype=torch.bfloat16)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bf16_engine_runs_the_kernels_by_default_and_matches_generate_through_them(arch, tokenizer, monkeypatch):
+    model = tiny_model(arch, dtype=torch.bfloat16)
     ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
-    with FastLinear():  # bf16 promises no identity with torch's kernel; with the same kernel, every row alike
+    with FastKernels():  # no identity with torch's bf16 kernels; with the same kernels, every row as alone
         reference = hf_greedy(model, ids, 40)
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert engine.fast_linear
+    assert engine.fast_kernels and engine.tree_attention
+    attention_rows: list[int] = []
+    if cpu_attention.small_attention_library()[0] is not None:
+        def counted(query, *args, **kwargs):
+            out = cpu_attention.small_attention(query, *args, **kwargs)
+            if out is not None:
+                attention_rows.append(query.shape[2])
+            return out
+
+        monkeypatch.setattr(fast_kernels, "small_attention", counted)
     assert _served_by_engine(engine, ids, reference, monkeypatch)["small"] > 0
+    if cpu_attention.small_attention_library()[0] is not None:
+        assert max(attention_rows) > 1  # trees verified through the attention kernel too
 
 
 def test_models_the_fast_kernels_cannot_serve_are_named(tokenizer):
     model = tiny_model("qwen2").to(torch.float16)
     works, reason = fast_linear_works(model)
     assert not works and "float16" in reason
-    assert not SpeculativeEngine(model, tokenizer).fast_linear
-    with pytest.raises(InvalidArgumentError, match="fast_linear=True.*float16"):
-        SpeculativeEngine(model, tokenizer, fast_linear=True)
+    assert not SpeculativeEngine(model, tokenizer).fast_kernels
+    with pytest.raises(InvalidArgumentError, match="fast_kernels=True.*float16"):
+        SpeculativeEngine(model, tokenizer, fast_kernels=True)

@@ -190,7 +190,7 @@ class OuroborosDrafter(Drafter):
         self.draft_forward_sizes: Counter[int] = Counter()
         # Why the draft model runs its own forward rather than the leaner one (`lean_forward`); "" when lean.
         forward, self.lean_forward_skipped = lean_forward(draft_model) if lean else (None, "lean=False")
-        self._verifier = Verifier(draft_model, fast_linear=fast_linear_works(draft_model)[0], forward=forward)
+        self._verifier = Verifier(draft_model, fast_kernels=fast_linear_works(draft_model)[0], forward=forward)
         self._lean = forward
         self.head_vocabulary = head_vocabulary
         # The ids the draft's logits score, column by column, and each one's column; None: all ids.
