@@ -3,8 +3,8 @@
 A mode reaches the linear layers and the attention of an unmodified transformers model, and only
 inside the forwards it wraps (the engine's, or a benchmark's baseline given the same kernels); the
 model and its weights are untouched. It costs every torch call of those forwards a Python dispatch:
-about 3 ms of the 1.5B Qwen target's 120 ms forward over one token in bf16, measured against the
-same kernels called from patched layers.
+measured once at about 2% of the 1.5B Qwen target's bf16 forward over one token (the linear
+kernel called from patched `Linear.forward` instead: 144.5 ms against 147.3).
 """
 
 from __future__ import annotations
