@@ -7,7 +7,7 @@ machine, a layer of the 1.5B Qwen target (12 query heads over 2 key/value heads 
 
 The compiled kernel computes it in fp32 from the bf16 cache and rounds once to bf16. Each query
 row is computed on its own by the same sequence of operations over the entries it sees (masked
-ones skipped), so its result depends neither on the rows verified beside it nor on the masked
+ones add exactly 0 to every sum), so its result depends neither on the rows verified beside it nor on the masked
 entries between those it sees: with the linear kernel, which sums each row alike too
 (cpu_linear.py), a bf16 verification forward gives each accepted token the logits plain decoding
 through the same kernels gives it, and bf16 speculative output matches that decoding token for
@@ -29,7 +29,6 @@ from .native_build import BASE_FLAGS, compile_kernel
 # Decoding and verifying drafts; longer prefills keep torch's kernel. Up to the linear kernel's 48
 # rows, so every row of a bf16 verification forward is computed as plain decoding computes it.
 MAX_ROWS = 48
-_MAX_DIMS = 256
 _SOURCE = Path(__file__).with_name("kernels") / "small_attention.c"
 
 
@@ -61,7 +60,7 @@ def small_attention(
     """`F.scaled_dot_product_attention` with the same arguments through the compiled kernel; None
     where it does not serve them (torch's kernel then runs): not bf16 on CPU, a batch of more than
     one, over `MAX_ROWS` query rows (prefills), dropout, `is_causal` after cached entries, a mask
-    per head, head dims not a multiple of 16 (or over 256), or no kernel built here."""
+    per head, head dims not a multiple of 16, or no kernel built here."""
     if not (
         query.device.type == "cpu"
         and query.dtype == key.dtype == value.dtype == torch.bfloat16
@@ -80,7 +79,6 @@ def small_attention(
         or key.shape != value.shape
         or key.shape[3] != dims
         or dims % 16
-        or dims > _MAX_DIMS
         or (attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[:2] != (1, 1)))
     ):
         return None

@@ -2,9 +2,9 @@
 
 A mode reaches the linear layers and the attention of an unmodified transformers model, and only
 inside the forwards it wraps (the engine's, or a benchmark's baseline given the same kernels); the
-model and its weights are untouched. It costs every torch call of those forwards a Python dispatch:
-measured once at about 2% of the 1.5B Qwen target's bf16 forward over one token (the linear
-kernel called from patched `Linear.forward` instead: 144.5 ms against 147.3).
+model and its weights are untouched. It costs every torch call of those forwards a Python dispatch,
+a few ms of a forward (the int8 0.5B draft's over one token took 6 ms more inside it,
+docs/benchmarks.md section 4.9), so only the forwards of models it serves run inside it.
 """
 
 from __future__ import annotations

@@ -30,6 +30,23 @@ COMMON = {"vocab_size": VOCAB, "max_position_embeddings": 512, "initializer_rang
 LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
+@pytest.fixture
+def failing_compiler(monkeypatch, tmp_path):
+    """Kernel builds with a compiler that always fails, into an empty cache (`tmp_path`); the kernels
+    already loaded are forgotten for the test and after it."""
+    from rag_speculate.cpu_attention import small_attention_library
+    from rag_speculate.cpu_linear import small_linear_library
+
+    monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    loaders = (small_linear_library, small_attention_library)
+    for loader in loaders:
+        loader.cache_clear()
+    yield tmp_path
+    for loader in loaders:
+        loader.cache_clear()
+
+
 def tiny_config(arch: str, **overrides):
     if arch == "llama":
         config = LlamaConfig(**LLAMA_LIKE, **COMMON)

@@ -100,17 +100,11 @@ def test_each_row_is_computed_as_it_would_be_alone():
     assert torch.equal(cropped, together)
 
 
-def test_a_kernel_that_cannot_build_leaves_attention_to_torch(monkeypatch, tmp_path):
-    monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "/bin/false")
-    small_attention_library.cache_clear()
-    try:
-        library, reason = small_attention_library()
-        assert library is None and "building the attention kernel with /bin/false failed" in reason
-        assert small_attention(*_inputs(2), enable_gqa=True) is None
-        assert not list(tmp_path.glob("kernels/*"))  # nothing half-built left behind
-    finally:
-        small_attention_library.cache_clear()
+def test_a_kernel_that_cannot_build_leaves_attention_to_torch(failing_compiler):
+    library, reason = small_attention_library()
+    assert library is None and "building the attention kernel with /bin/false failed" in reason
+    assert small_attention(*_inputs(2), enable_gqa=True) is None
+    assert not list(failing_compiler.glob("kernels/*"))  # nothing half-built left behind
 
 
 def test_the_mode_runs_it_for_bf16_only(monkeypatch):

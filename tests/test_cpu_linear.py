@@ -121,19 +121,13 @@ def test_without_the_small_kernel_onednn_serves_from_two_rows(monkeypatch):
     assert served == {"small": 0, "onednn": 18}
 
 
-def test_a_kernel_that_cannot_build_says_why(monkeypatch, tmp_path):
-    monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "/bin/false")
-    small_linear_library.cache_clear()
-    try:
-        library, reason = small_linear_library()
-        assert library is None
-        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-            assert "building the small-row kernel with /bin/false failed" in reason
-            assert small_linear_library(torch.float16) == (None, "the small-row kernel is for fp32 and bf16, not torch.float16")
-        assert not list(tmp_path.glob("kernels/*"))  # nothing half-built left behind
-    finally:
-        small_linear_library.cache_clear()
+def test_a_kernel_that_cannot_build_says_why(failing_compiler):
+    library, reason = small_linear_library()
+    assert library is None
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert "building the small-row kernel with /bin/false failed" in reason
+        assert small_linear_library(torch.float16) == (None, "the small-row kernel is for fp32 and bf16, not torch.float16")
+    assert not list(failing_compiler.glob("kernels/*"))  # nothing half-built left behind
 
 
 def _served_by_engine(engine: SpeculativeEngine, ids: list[int], reference: list[int], monkeypatch) -> dict[str, int]:

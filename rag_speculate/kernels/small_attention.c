@@ -15,7 +15,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_CHUNKS 16 /* head dims up to 256, in chunks of 16 */
 #define EXP_FLOOR -87.0f /* below, exp underflows fp32's normal range: the probability is 0 */
 
 static inline __m512 load_bf16(const uint16_t *p) {
@@ -55,7 +54,7 @@ static inline uint16_t to_bf16(float f) {
 
 /* q: [heads, rows, dims]; k, v: [kv_heads, length, dims] with heads `*_head_stride` elements apart;
  * mask: [rows, length] added to the scaled scores, or NULL; out: [heads, rows, dims]. Query head h
- * reads key/value head h / (heads / kv_heads). dims: a multiple of 16, at most 256.
+ * reads key/value head h / (heads / kv_heads). dims: a multiple of 16.
  *
  * A block shares each load of a key or value chunk between up to BLOCK query vectors of the same
  * key/value head; every vector's own sums run in the same order whatever its block holds. */
