@@ -18,7 +18,7 @@ from .cpu_linear import linear_kernel_for
 
 class FastKernels(TorchFunctionMode):
     """Within this context, on CPU: `F.linear` over 1-64 rows of fp32 (1-48 of bf16) runs
-    cpu_linear's kernels, and bf16 attention over 1-9 query rows runs cpu_attention's."""
+    cpu_linear's kernels, and bf16 attention over 1-48 query rows runs cpu_attention's."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
