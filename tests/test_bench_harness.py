@@ -43,6 +43,7 @@ def test_summary_divides_modeled_times_per_item():
     row = summarize(with_modeled(runs, COSTS), ["plain", "drafted"], bases=["plain"])["qa"]["methods"]["drafted"]
     assert row["modeled_speedup_vs_plain_mean"] == pytest.approx((2.4 / 0.8 + 2.4 / 0.8) / 2)
     assert row["decode_speedup_vs_plain_mean"] == pytest.approx((2.0 + 1.0) / 2)
+    assert row["decode_speedup_vs_plain_lowest"] == pytest.approx(1.0)  # item b
     assert row["modeled_share_of_decode"] == pytest.approx(1.6 / 3.0)
     assert "modeled_speedup_vs_plain_mean" not in summarize(runs, ["plain", "drafted"], bases=["plain"])["qa"]["methods"]["drafted"]
     # Forwards by kind, as the docs cite them: target forwards, those that verified no draft, draft-model forwards.
