@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import SpeculativeEngine
 from rag_speculate.drafters.ouroboros import head_ids
 from rag_speculate.loading import cpu_has_vnni, int8_draft_model, load_model
+from rag_speculate.verify import cache_keyword
 
 
 def torch_ao_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,9 +45,9 @@ def agreeing(model: torch.nn.Module, prompt: list[int], output: list[int], head:
     `stepwise`: the output fed one token per forward after the prompt's prefill, as drafting feeds it;
     else prompt and output in one forward (an int8 draft then quantizes all their activations together)."""
     if stepwise:
-        cache = DynamicCache(config=model.config)
-        steps = [model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
-        steps += [model(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in output[:-1]]
+        cache, keyword = DynamicCache(config=model.config), cache_keyword(model)
+        steps = [model(input_ids=torch.tensor([prompt]), **{keyword: cache}).logits[0, -1]]
+        steps += [model(input_ids=torch.tensor([[t]]), **{keyword: cache}).logits[0, -1] for t in output[:-1]]
         logits = torch.stack(steps)
     else:
         logits = model(input_ids=torch.tensor([prompt + output]), logits_to_keep=len(output) + 1).logits[0, :-1]

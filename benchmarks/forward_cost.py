@@ -34,7 +34,7 @@ from rag_speculate.lean_forward import LeanForward, lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.models import is_packaged_model, load_packaged_model
 from rag_speculate.tree import DraftTree
-from rag_speculate.verify import Verifier
+from rag_speculate.verify import Verifier, cache_keyword
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -132,7 +132,7 @@ def time_forward(
         elif lean is not None:
             lean(tokens, cache, logits_to_keep=tokens.shape[1])
         else:
-            model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1])
+            model(input_ids=tokens, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=tokens.shape[1])
     synchronize(tokens.device)
     elapsed = time.perf_counter() - start
     # transformers 5 only accepts a negative count: the number of tokens to drop.
@@ -163,7 +163,7 @@ def main() -> None:
         cache = DynamicCache(config=model.config)
         start = time.perf_counter()
         with torch.inference_mode():
-            model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
         print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
@@ -239,7 +239,7 @@ def print_head_building(lean: LeanForward, groups: tuple[torch.Tensor, ...], oth
 def print_lean_difference(model: PreTrainedModel, lean: LeanForward, cache: DynamicCache, inputs: dict[int, torch.Tensor]) -> None:
     """How far the lean forward's logits land from the model's own, for each timed q on the same cache."""
     for q, tokens in inputs.items():
-        own = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        own = model(input_ids=tokens, **{cache_keyword(model): cache}, use_cache=True).logits
         cache.crop(-q)
         difference = (lean(tokens, cache) - own).abs().max().item()
         cache.crop(-q)
@@ -252,7 +252,7 @@ def print_rounding(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Te
     def logits(fast: bool, one_by_one: bool) -> torch.Tensor:
         with FastKernels() if fast else contextlib.nullcontext():
             chunks = tokens.split(1, dim=1) if one_by_one else [tokens]
-            out = torch.cat([model(input_ids=c, past_key_values=cache, use_cache=True).logits for c in chunks], dim=1)
+            out = torch.cat([model(input_ids=c, **{cache_keyword(model): cache}, use_cache=True).logits for c in chunks], dim=1)
         cache.crop(-tokens.shape[1])
         return out
 

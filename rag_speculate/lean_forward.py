@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .loading import Int8Linear
 from .tree import DraftTree, tree_attention_mask
-from .verify import sliding_window
+from .verify import cache_keyword, sliding_window
 
 # Of the largest logit, in float32: rounding differences only (a bf16 model rounds more).
 _PROBE_TOLERANCE = 1e-3
@@ -32,7 +32,7 @@ _PROBE_TOLERANCE = 1e-3
 
 class LeanForward:
     """Logits of a Llama-family decoder (Llama, Qwen2, Mistral without sliding windows), computed
-    from its own modules; takes the arguments `Verifier` gives a model's forward."""
+    from its own modules; takes the arguments `Verifier` gives a model's forward, the KV cache as `cache`."""
 
     def __init__(self, model: PreTrainedModel):
         inner = model.model
@@ -58,7 +58,7 @@ class LeanForward:
     def __call__(
         self,
         input_ids: torch.Tensor,
-        past_key_values: DynamicCache,
+        cache: DynamicCache,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
@@ -66,7 +66,7 @@ class LeanForward:
         """Logits [1, rows, vocab] for `input_ids` [1, q] after the cache, which gains their keys and
         values; a restricted head gives one column per id it scores (`restrict_head`)."""
         q = input_ids.shape[1]
-        past = past_key_values.get_seq_length()
+        past = cache.get_seq_length()
         h = self._embed(input_ids)
         if position_ids is None:
             position_ids = torch.arange(past, past + q, device=h.device)[None]
@@ -80,7 +80,7 @@ class LeanForward:
             x = _rms_norm(h, norm1)
             projected = qkv(x).view(1, q, heads + 2 * kv_heads, self._head_dim).transpose(1, 2)
             rotated = _rotate(projected[:, : heads + kv_heads], cos, sin)
-            key, value = past_key_values.update(rotated[:, heads:], projected[:, heads + kv_heads :], i)
+            key, value = cache.update(rotated[:, heads:], projected[:, heads + kv_heads :], i)
             mixed = F.scaled_dot_product_attention(rotated[:, :heads], key, value, attn_mask=attention_mask, is_causal=causal, scale=self._scaling, enable_gqa=True)
             h = h + o_proj(mixed.transpose(1, 2).reshape(1, q, -1))
             x = _rms_norm(h, norm2)
@@ -128,7 +128,8 @@ def lean_forward(model: PreTrainedModel) -> tuple[LeanForward | None, str]:
             # chunks for both, as an int8 model quantizes each forward's activations together.
             ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
             got = torch.cat([lean(ids[:, :4], ours), lean(ids[:, 4:], ours)], dim=1).float()
-            want = torch.cat([model(input_ids=chunk, past_key_values=theirs).logits for chunk in (ids[:, :4], ids[:, 4:])], dim=1).float()
+            keyword = cache_keyword(model)
+            want = torch.cat([model(input_ids=chunk, **{keyword: theirs}).logits for chunk in (ids[:, :4], ids[:, 4:])], dim=1).float()
         except Exception as exc:  # noqa: BLE001 - any failure means the lean forward does not fit this model
             return None, f"the lean forward failed on a probe: {type(exc).__name__}: {exc}"
     tolerance = max(_PROBE_TOLERANCE, 8 * torch.finfo(model.dtype).eps)

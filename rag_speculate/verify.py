@@ -81,6 +81,22 @@ def make_cache(model: PreTrainedModel) -> DynamicCache:
     return cache
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which `model`'s forward takes its KV cache: `cache` from transformers 5.24
+    on, which deprecates `past_key_values` (to be removed in 5.40); `past_key_values` in earlier
+    releases and in models written for them. Read off the first forward in the model's class
+    hierarchy that names either, so a subclass whose forward takes only `**kwargs` gets its base's."""
+    for cls in type(model).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is None:
+            continue
+        parameters = inspect.signature(forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+    return "past_key_values"
+
+
 def sliding_window(cache: DynamicCache) -> int | None:
     windows = [layer.sliding_window for layer in cache.layers if getattr(layer, "is_sliding", False)]
     return min(windows) if windows else None
@@ -116,20 +132,21 @@ class Verifier:
     """Runs prefill and verification forwards of one model, in tree or chain mode."""
 
     def __init__(self, model: PreTrainedModel, *, fast_kernels: bool = False, forward: Callable[..., torch.Tensor] | None = None):
-        """`forward` runs in place of the model's own (given the same arguments, it returns the logits):
-        a draft model's `LeanForward`. The target always runs its own."""
+        """`forward` runs in place of the model's own (given the same arguments, the KV cache as
+        `cache`, it returns the logits): a draft model's `LeanForward`. The target always runs its own."""
         self.model = model
         self.fast_kernels = fast_kernels
         self._forward = forward
         self.device = model.device
         self.mask_dtype = next(model.parameters()).dtype
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
         """Logits after the last input token (only that row: a full RAG prompt's logits would take GBs)."""
         ids = torch.tensor([input_ids], device=self.device)
-        return self._logits(input_ids=ids, past_key_values=cache, **self._last_rows(1))[0, -1]
+        return self._logits(cache, input_ids=ids, **self._last_rows(1))[0, -1]
 
     def _last_rows(self, rows: int | None) -> dict:
         # Logits of rows nobody reads cost a vocabulary-sized product each (151k x 896 for a 0.5B Qwen).
@@ -145,10 +162,10 @@ class Verifier:
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         with _shared_kv_heads(self.device):
             logits = self._logits(
+                cache,
                 input_ids=ids,
                 attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
                 position_ids=tree_position_ids(tree, past, self.device),
-                past_key_values=cache,
                 **self._last_rows(last_rows),
             )[0]
         return logits[-last_rows:] if last_rows else logits
@@ -157,14 +174,14 @@ class Verifier:
     def forward_chain(self, cache: DynamicCache, root: int, tree: DraftTree, last_rows: int | None = None) -> torch.Tensor:
         """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        logits = self._logits(input_ids=ids, past_key_values=cache, **self._last_rows(last_rows))[0]
+        logits = self._logits(cache, input_ids=ids, **self._last_rows(last_rows))[0]
         return logits[-last_rows:] if last_rows else logits
 
-    def _logits(self, **inputs) -> torch.Tensor:
+    def _logits(self, cache: DynamicCache, **inputs) -> torch.Tensor:
         with FastKernels() if self.fast_kernels else contextlib.nullcontext():
             if self._forward is not None:
-                return self._forward(**inputs)
-            return self.model(**inputs, use_cache=True).logits
+                return self._forward(cache=cache, **inputs)
+            return self.model(**inputs, **{self._cache_keyword: cache}, use_cache=True).logits
 
     @torch.inference_mode()
     def step(
@@ -222,7 +239,7 @@ class Verifier:
             # Through the same kernels and forward: in bf16 torch's kernels round several rows
             # differently, by up to 2% of the largest logit on the 135M SmolLM2.
             ids = torch.tensor([[a, b, c, e]], device=self.device)
-            reference = self._logits(input_ids=ids, past_key_values=make_cache(self.model))[0].float()
+            reference = self._logits(make_cache(self.model), input_ids=ids)[0].float()
             logits, after = self._tree_then_step(a, b, tree, e, gather=True)
             if not exact:
                 # What ignoring them would give: c seeing its siblings; the cache keeping them all.

@@ -13,6 +13,7 @@ from rag_speculate.drafters.base import DraftContext
 from rag_speculate.lean_forward import lean_forward
 from rag_speculate.loading import int8_draft_model
 from rag_speculate.tree import DraftTree, tree_attention_mask, tree_position_ids
+from rag_speculate.verify import cache_keyword
 
 
 def _forwards(model, forward) -> list[torch.Tensor]:
@@ -24,9 +25,9 @@ def _forwards(model, forward) -> list[torch.Tensor]:
         "position_ids": tree_position_ids(tree, 11, model.device),
     }
     return [
-        forward(input_ids=torch.tensor([[(5 * i + 2) % VOCAB for i in range(10)]]), past_key_values=cache),
-        forward(input_ids=torch.tensor([[9]]), past_key_values=cache),
-        forward(input_ids=torch.tensor([[4, *tree.tokens]]), past_key_values=cache, **tree_inputs),
+        forward(input_ids=torch.tensor([[(5 * i + 2) % VOCAB for i in range(10)]]), cache=cache),
+        forward(input_ids=torch.tensor([[9]]), cache=cache),
+        forward(input_ids=torch.tensor([[4, *tree.tokens]]), cache=cache, **tree_inputs),
     ]
 
 
@@ -39,7 +40,7 @@ def test_logits_are_the_models_own(arch, int8):
     lean, reason = lean_forward(model)
     assert lean is not None, reason
     with torch.inference_mode():
-        want = _forwards(model, lambda **inputs: model(**inputs, use_cache=True).logits)
+        want = _forwards(model, lambda cache, **inputs: model(**inputs, **{cache_keyword(model): cache}, use_cache=True).logits)
         got = _forwards(model, lean)
     for ours, theirs in zip(got, want):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)

@@ -123,7 +123,8 @@ def test_model_without_4d_masks_falls_back_with_one_warning(tokenizer):
     reference = hf_greedy(model, ids, 40)
     with pytest.warns(RuntimeWarning, match="longest draft branch") as caught:
         engine = SpeculativeEngine(model, tokenizer)
-    assert len(caught) == 1
+    # Ours only: a library's deprecation warnings are not the fallback's.
+    assert sum(issubclass(w.category, RuntimeWarning) for w in caught) == 1
     result = engine.generate(ids, documents=[reference], max_new_tokens=40)
     assert result.stats.verification == "chain"
     assert result.token_ids == reference

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -9,7 +10,7 @@ from conftest import VOCAB, tiny_model
 from transformers.integrations import sdpa_attention
 
 from rag_speculate.tree import DraftTree
-from rag_speculate.verify import Verifier, make_cache
+from rag_speculate.verify import Verifier, cache_keyword, make_cache
 
 TREE = DraftTree([11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 3, -1])
 
@@ -50,3 +51,26 @@ def test_a_users_own_switch_is_left_as_it_was(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
     _tree_logits(Verifier(tiny_model("qwen2")))
     assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
+
+
+def test_the_cache_goes_under_the_keyword_the_models_forward_names():
+    """transformers 5.24 renamed forward's `past_key_values` to `cache`: a model written for either
+    gets its cache under its own name (an unknown keyword would land in `**kwargs`, cache unused)."""
+    from transformers import LlamaForCausalLM
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class PassesThrough(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    installed = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    assert cache_keyword(OldStyle()) == "past_key_values"
+    assert cache_keyword(tiny_model("llama")) == installed
+    assert cache_keyword(PassesThrough(tiny_model("llama").config)) == installed
+    # Through the verifier, the cache fills: a keyword the model ignored would leave it empty.
+    model = tiny_model("qwen2")
+    cache = make_cache(model)
+    Verifier(model).prefill(cache, [3, 4, 5])
+    assert cache.get_seq_length() == 3
