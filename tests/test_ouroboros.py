@@ -209,6 +209,20 @@ def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_sav
     assert lengths[0] == 1 and lengths[1] >= 4
 
 
+def test_the_row_a_drafted_token_adds_to_the_targets_forward_counts_against_drafting_it(tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    lengths = []
+    # A draft forward costs a ten-thousandth of a target forward either way; in the second curve the
+    # target's second row costs as much as its first, so a drafted token costs a whole target forward.
+    for target_cost in (CostModel({1: 1.0, 65: 1.0}, learn=False), CostModel({1: 1.0, 2: 2.0, 65: 65.0}, learn=False)):
+        drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False)
+        drafter.cost_model = flat_cost(1e-4)
+        drafter.attach(tokenizer, VOCAB)
+        drafter.start(DraftContext(ids, [], VOCAB, target_cost))
+        lengths.append(len(drafter.propose(ids, budget=16)))
+    assert lengths[0] >= 4 and lengths[1] == 1
+
+
 def test_sampling_is_reproducible_with_a_seed(tokenizer):
     target = tiny_model("qwen2", seed=0)
     drafter = make_drafter(tiny_model("qwen2", seed=0), tokenizer)

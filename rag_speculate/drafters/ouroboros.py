@@ -42,8 +42,9 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
   best-first, cut by `budget.best_prefix` with the draft model's timed cost curve and the rate at
   which it has agreed with pool phrases (the paper checks all W candidates).
 - The sentence draft also stops when its next token's acceptance estimate falls below the score
-  floor: the draft forward's measured cost over the target's (`DraftContext.target_cost`), since
-  a token accepted with probability s saves s target steps; `min_score` pins it. It also stops at
+  floor: what drafting one more token costs, a draft forward plus the row it adds to the
+  target's forward, over a target forward (`DraftContext.target_cost`), since a token accepted with
+  probability s saves s target steps; `min_score` pins it. It also stops at
   the depth the engine verified last time (it verifies only the prefix of a draft that pays for
   its target forward; drafting deeper wastes draft forwards). When the engine verifies none of a
   draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
@@ -63,7 +64,9 @@ Its head scores only the 32,768 lowest ids, the special ones and the prompt's an
 takes the target's token as often (section 4.5; a forward over 1 token 24 ms against 28).
 
 Hence `draft_tree_budget=16` (a 16-node tree costs 2.4 single-token target forwards in fp32,
-and the curve steepens beyond) and the cost-derived score floor (0.35-0.4 in fp32, about 0.12 in int8).
+and the curve steepens beyond) and the cost-derived score floor (for the int8 draft under the bf16
+target on this project's current CPU, about 0.23: a 15 ms draft forward and a 2-6 ms target row
+against an 80 ms target forward).
 The target's cost grows slowly from q=9 to 17, yet gamma=16 measured level with the paper's
 gamma=12 (docs/benchmarks.md section 4), so 12 is kept, and W=20, beta=8, K=3. Pool trees
 rarely pay inside an fp32 draft forward (2 tokens cost twice 1); in int8 the draft curve is
@@ -417,13 +420,19 @@ class OuroborosDrafter(Drafter):
                 return
 
     def _score_floor(self, target_cost: CostModel | None) -> float:
-        """The least acceptance estimate worth one more draft forward: the draft forward's cost over
-        the target's per token (a token accepted with probability s saves s target steps)."""
+        """The least acceptance estimate worth one more draft forward: what one more drafted token
+        costs over a target forward (a token accepted with probability s saves s target steps).
+
+        The token costs its draft forward and, once verified, a row of the target's forward: in bf16
+        here a target forward over 2 tokens costs 1.07 over 1 (docs/benchmarks.md section 1.7 and
+        4.11), a third of a draft forward. Counting the row drafted 10-20% fewer draft forwards for
+        the same tokens per target forward (section 4.11)."""
         if self.min_score is not None:
             return self.min_score
         if target_cost is None:
             return _FALLBACK_MIN_SCORE
-        return min(1.0, self._costs()(1) / target_cost(1))
+        row = max(0.0, target_cost(2) - target_cost(1))
+        return min(1.0, (self._costs()(1) + row) / target_cost(1))
 
     def _costs(self) -> CostModel:
         if self.cost_model is None:
