@@ -65,7 +65,7 @@ takes the target's token as often (section 4.5; a forward over 1 token 24 ms aga
 
 Hence `draft_tree_budget=16` (a 16-node tree costs 2.4 single-token target forwards in fp32,
 and the curve steepens beyond) and the cost-derived score floor (for the int8 draft under the bf16
-target on this project's current CPU, about 0.23: a 15 ms draft forward and a 2-6 ms target row
+target on this project's current CPU, about 0.25: a 15 ms draft forward and a 5 ms target row
 against an 80 ms target forward).
 The target's cost grows slowly from q=9 to 17, yet gamma=16 measured level with the paper's
 gamma=12 (docs/benchmarks.md section 4), so 12 is kept, and W=20, beta=8, K=3. Pool trees
@@ -424,14 +424,18 @@ class OuroborosDrafter(Drafter):
         costs over a target forward (a token accepted with probability s saves s target steps).
 
         The token costs its draft forward and, once verified, a row of the target's forward: in bf16
-        here a target forward over 2 tokens costs 1.07 over 1 (docs/benchmarks.md section 1.7 and
-        4.11), a third of a draft forward. Counting the row drafted 10-20% fewer draft forwards for
-        the same tokens per target forward (section 4.11)."""
+        here a target forward over 9 tokens costs 1.54 over 1 (docs/benchmarks.md section 4.11), a
+        row a third of a draft forward. The row is the curve's average over 1-9 tokens rather than
+        its first step: the learned curve's cost at 1 token mostly keeps its startup timing at a
+        short context (the engine seldom runs a forward without a draft), while the sizes drafts
+        use follow the real, longer context: the difference of the first two sizes would count the
+        context's growth in full as one row's cost, the average over 8 rows an eighth of it.
+        """
         if self.min_score is not None:
             return self.min_score
         if target_cost is None:
             return _FALLBACK_MIN_SCORE
-        row = max(0.0, target_cost(2) - target_cost(1))
+        row = max(0.0, target_cost(9) - target_cost(1)) / 8
         return min(1.0, (self._costs()(1) + row) / target_cost(1))
 
     def _costs(self) -> CostModel:
