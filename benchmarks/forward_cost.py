@@ -123,6 +123,7 @@ def time_forward(
     verifier: Verifier | None = None,
 ) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
+    keyword = cache_keyword(model)  # read off the class hierarchy: outside the timed forward
     synchronize(tokens.device)
     start = time.perf_counter()
     with FastKernels() if fast else contextlib.nullcontext():
@@ -132,7 +133,7 @@ def time_forward(
         elif lean is not None:
             lean(tokens, cache, logits_to_keep=tokens.shape[1])
         else:
-            model(input_ids=tokens, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=tokens.shape[1])
+            model(input_ids=tokens, **{keyword: cache}, use_cache=True, logits_to_keep=tokens.shape[1])
     synchronize(tokens.device)
     elapsed = time.perf_counter() - start
     # transformers 5 only accepts a negative count: the number of tokens to drop.
