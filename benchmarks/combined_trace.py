@@ -10,7 +10,7 @@ accepted tokens, for Ouroboros alone and for the combined drafter, and the combi
 per step by drafter, and how often the target took Ouroboros' draft tokens by the draft model's
 probability for them (per category, Ouroboros alone). Each item is answered by
 Ouroboros alone, then by the combined drafter (documents' trie, REST,
-Ouroboros; int8 0.5B draft, fp32 1.5B target), as in spec_bench.py's `ouroboros` and `combined`.
+Ouroboros; int8 0.5B draft, the 1.5B target in `--dtype`), as in spec_bench.py's `ouroboros` and `combined`.
 A diagnostic: it reads the combined drafter's private ledger, which no API exposes.
 """
 
@@ -37,9 +37,10 @@ def main() -> None:
     parser.add_argument("--items", required=True, help="question ids, comma-separated")
     parser.add_argument("--datastore", type=Path, required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    engine = SpeculativeEngine.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype=torch.float32)
+    engine = SpeculativeEngine.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype=getattr(torch, args.dtype))
     draft, draft_tokenizer = load_model("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
     draft = int8_draft_model(draft)
     store = open_datastore(args.datastore, engine.tokenizer)
