@@ -223,6 +223,25 @@ def test_the_row_a_drafted_token_adds_to_the_targets_forward_counts_against_draf
     assert lengths[0] >= 4 and lengths[1] == 1
 
 
+def test_a_draft_forward_runs_only_while_the_token_it_would_draft_is_expected_to_clear_the_floor(tokenizer):
+    """The floor sits just below the chain's third score: the old rule (the score so far against the
+    floor) ran a fourth draft forward; the fourth token is expected at that score times the typical
+    estimate of a drafted token, below the floor, so the chain ends at three."""
+    ids = tokenizer.encode(PROMPTS[1])
+
+    def chain(min_score: float) -> DraftTree:
+        drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0,
+                               learn_from_context=False, min_score=min_score)
+        drafter.cost_model = flat_cost()
+        drafter.attach(tokenizer, VOCAB)
+        drafter.start(DraftContext(ids, [], VOCAB))
+        return drafter.propose(ids, budget=16)
+
+    free = chain(0.0)
+    assert len(free) == 12 and all(score < 1 for score in free.scores[:3])
+    assert len(chain(free.scores[2] * 0.999)) == 3
+
+
 def test_sampling_is_reproducible_with_a_seed(tokenizer):
     target = tiny_model("qwen2", seed=0)
     drafter = make_drafter(tiny_model("qwen2", seed=0), tokenizer)

@@ -41,10 +41,12 @@ Simplified from the paper, for a 2-core CPU where every token fed to a forward c
 - A draft forward checks only the pool nodes that pay for their cost: up to `draft_tree_budget`
   best-first, cut by `budget.best_prefix` with the draft model's timed cost curve and the rate at
   which it has agreed with pool phrases (the paper checks all W candidates).
-- The sentence draft also stops when its next token's acceptance estimate falls below the score
+- The sentence draft also stops when its next token's expected acceptance falls below the score
   floor: what drafting one more token costs, a draft forward plus the row it adds to the
   target's forward, over a target forward (`DraftContext.target_cost`), since a token accepted with
-  probability s saves s target steps; `min_score` pins it. It also stops at
+  probability s saves s target steps; `min_score` pins it. The next token's estimate is unknown
+  until its draft forward has run, so the chain's score so far is weighed by the typical estimate
+  of a drafted token (a running average). It also stops at
   the depth the engine verified last time (it verifies only the prefix of a draft that pays for
   its target forward; drafting deeper wastes draft forwards). When the engine verifies none of a
   draft, drafting pauses for 1, 2, 4, ... proposals. The paper always drafts `gamma`.
@@ -108,6 +110,7 @@ _SUFFIX_PRIOR = 0.5
 _POOL_PRIOR = 0.75
 _CALIBRATION_MEMORY = 0.95  # per proposal: the calibration follows the text being generated
 _MAX_PAUSE = 64  # proposals skipped at most after the engine verified none of a draft
+_TYPICAL_MEMORY = 0.9  # per drafted token: the typical estimate follows the text being generated
 # The score floor when the target's costs are unknown: 0.5b fp32 drafting for 1.5b fp32 here.
 _FALLBACK_MIN_SCORE = 0.4
 
@@ -207,6 +210,7 @@ class OuroborosDrafter(Drafter):
         # The rates describe the model pair, not one request, so they outlive generations.
         self._calibration = _Calibration()
         self._alternative_calibration = _Calibration()
+        self._typical_estimate = 1.0  # of a drafted token's acceptance, what the next one is expected to get
         self._suffix_rate = AgreementRate(prior=_SUFFIX_PRIOR)
         self._pool_rate = AgreementRate(prior=_POOL_PRIOR)
         self._reset()
@@ -324,18 +328,22 @@ class OuroborosDrafter(Drafter):
 
         A token's acceptance estimate is the draft model's own probability for it, calibrated
         against what the target accepted; the chain's score is their running product, and the
-        draft stops once that falls below the score floor (a draft forward would cost more than the
-        target time it is expected to save). `pending`, context the draft cache lacks, is fed with
-        the first draft forward: a forward over a few more tokens costs little more than over one
-        (int8 0.5B here: 44 ms at 1 token, 62 ms at 8), a forward of its own a whole one.
+        draft stops once that times the typical estimate of a drafted token falls below the score
+        floor (the next draft forward would cost more than the target time it is expected to save);
+        the first forward always runs (whether to draft at all is `_DepthLimit`'s). `pending`,
+        context the draft cache lacks, is fed with the first draft forward: a forward over a few
+        more tokens costs little more than over one (int8 0.5B here: 44 ms at 1 token, 62 ms at
+        8), a forward of its own a whole one.
         """
         first, draft, score = root, [], 1.0
         self._chain_scores, self._chain_confidence, self._chain_alternatives = [], [], []
-        while len(draft) < length and score >= self._floor:
+        while len(draft) < length and (not draft or score * self._typical_estimate >= self._floor):
             tokens, confidence, alternatives = self._draft_step(pending, root)
             pending = []
             for c in confidence:
-                score *= self._calibration.estimate(c)
+                estimate = self._calibration.estimate(c)
+                self._typical_estimate += (estimate - self._typical_estimate) * (1 - _TYPICAL_MEMORY)
+                score *= estimate
                 self._chain_scores.append(score)
             self._chain_confidence.extend(confidence)
             self._chain_alternatives.extend(alternatives)
