@@ -194,15 +194,20 @@ def test_the_lookahead_window_puts_the_draft_models_own_ngrams_in_the_pool(token
     assert tokens[0] == greedy_next(ids)
 
 
-def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_save(tokenizer):
+def first_chain(tokenizer, target_cost: CostModel | None = None, draft_cost: CostModel | None = None, **kwargs) -> DraftTree:
+    """The first proposal for PROMPTS[1] of a fresh drafter whose random draft model drafts a chain
+    alone (no pool, no suffixes, no alternatives); `draft_cost` pins its forward's cost."""
     ids = tokenizer.encode(PROMPTS[1])
-    lengths = []
-    for target_cost in (flat_cost(0.1), flat_cost(1000.0)):
-        draft = tiny_model("llama", seed=3)
-        drafter = make_drafter(draft, tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False)
-        drafter.attach(tokenizer, VOCAB)
-        drafter.start(DraftContext(ids, [], VOCAB, target_cost))
-        lengths.append(len(drafter.propose(ids, budget=16)))
+    drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False, **kwargs)
+    if draft_cost is not None:
+        drafter.cost_model = draft_cost
+    drafter.attach(tokenizer, VOCAB)
+    drafter.start(DraftContext(ids, [], VOCAB, target_cost))
+    return drafter.propose(ids, budget=16)
+
+
+def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_save(tokenizer):
+    lengths = [len(first_chain(tokenizer, target_cost)) for target_cost in (flat_cost(0.1), flat_cost(1000.0))]
     # As dear as a target forward: only a token the target surely takes is worth a draft forward,
     # and a random draft model is never sure, so it stops after its first token. A ten-thousandth of
     # a target forward: it drafts on until its estimates fall below 1e-4 (a random model: a few tokens).
@@ -210,16 +215,10 @@ def test_drafts_stop_where_a_draft_forward_costs_more_than_it_is_expected_to_sav
 
 
 def test_the_row_a_drafted_token_adds_to_the_targets_forward_counts_against_drafting_it(tokenizer):
-    ids = tokenizer.encode(PROMPTS[1])
-    lengths = []
     # A draft forward costs a ten-thousandth of a target forward either way; in the second curve the
     # target's second row costs as much as its first, so a drafted token costs a whole target forward.
-    for target_cost in (CostModel({1: 1.0, 65: 1.0}, learn=False), CostModel({1: 1.0, 2: 2.0, 65: 65.0}, learn=False)):
-        drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False)
-        drafter.cost_model = flat_cost(1e-4)
-        drafter.attach(tokenizer, VOCAB)
-        drafter.start(DraftContext(ids, [], VOCAB, target_cost))
-        lengths.append(len(drafter.propose(ids, budget=16)))
+    curves = (CostModel({1: 1.0, 65: 1.0}, learn=False), CostModel({1: 1.0, 2: 2.0, 65: 65.0}, learn=False))
+    lengths = [len(first_chain(tokenizer, target_cost, flat_cost(1e-4))) for target_cost in curves]
     assert lengths[0] >= 4 and lengths[1] == 1
 
 
@@ -227,19 +226,9 @@ def test_a_draft_forward_runs_only_while_the_token_it_would_draft_is_expected_to
     """The floor sits just below the chain's third score: the old rule (the score so far against the
     floor) ran a fourth draft forward; the fourth token is expected at that score times the typical
     estimate of a drafted token, below the floor, so the chain ends at three."""
-    ids = tokenizer.encode(PROMPTS[1])
-
-    def chain(min_score: float) -> DraftTree:
-        drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0,
-                               learn_from_context=False, min_score=min_score)
-        drafter.cost_model = flat_cost()
-        drafter.attach(tokenizer, VOCAB)
-        drafter.start(DraftContext(ids, [], VOCAB))
-        return drafter.propose(ids, budget=16)
-
-    free = chain(0.0)
+    free = first_chain(tokenizer, draft_cost=flat_cost(), min_score=0.0)
     assert len(free) == 12 and all(score < 1 for score in free.scores[:3])
-    assert len(chain(free.scores[2] * 0.999)) == 3
+    assert len(first_chain(tokenizer, draft_cost=flat_cost(), min_score=free.scores[2] * 0.999)) == 3
 
 
 def test_sampling_is_reproducible_with_a_seed(tokenizer):
