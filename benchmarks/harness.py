@@ -259,28 +259,34 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
     raise SystemExit(f"unknown method {name!r}")
 
 
-def measure(items: list[Item], methods: dict[str, Method], max_new_tokens: int, tokenizer) -> list[dict]:
+def measure(items: list[Item], methods: dict[str, Method], max_new_tokens: int, tokenizer, repeats: int = 1) -> list[dict]:
+    """Every method on every item, `repeats` times in a row per item (`summarize` keeps each one's median)."""
     runs = []
     names = list(methods)
     for i, item in enumerate(items):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        batch = []
-        for name in order:
-            out = methods[name](item.prompt_ids, item.documents, max_new_tokens)
-            out.update(item=item.id, category=item.category, method=name, prompt_tokens=len(item.prompt_ids))
-            batch.append(out)
-            print(f"[{i + 1}/{len(items)}] {item.category:<15} {name:<15} {len(out['tokens']):>4} tok "
-                  f"{out['total_s']:6.2f} s  decode {out['decode_s']:6.2f} s", file=sys.stderr, flush=True)
-        # Greedy decoding through torch's kernels where it ran, else through ours: in fp32 both give the
-        # same tokens, in bf16 only the latter sums each row as our verification does (section 1.6).
-        reference = next((r["tokens"] for greedy in ("hf-greedy", "hf-greedy:fast") for r in batch if r["method"] == greedy), None)
-        for r in batch:
-            r["identical"] = reference is not None and r["tokens"] == reference
-            if item.answers:
-                text = tokenizer.decode(r["tokens"], skip_special_tokens=True).lower()
-                r["answer_found"] = any(a.lower() in text for a in item.answers)
-        runs.extend(batch)
+        for repeat in range(repeats):
+            shift = (i + repeat) % len(names)
+            batch = []
+            for name in names[shift:] + names[:shift]:
+                out = methods[name](item.prompt_ids, item.documents, max_new_tokens)
+                out.update(item=item.id, category=item.category, method=name, prompt_tokens=len(item.prompt_ids), repeat=repeat)
+                batch.append(out)
+                print(f"[{i + 1}/{len(items)}{f' #{repeat + 1}' if repeats > 1 else ''}] {item.category:<15} {name:<15} "
+                      f"{len(out['tokens']):>4} tok {out['total_s']:6.2f} s  decode {out['decode_s']:6.2f} s", file=sys.stderr, flush=True)
+            _check_against_greedy(batch, item, tokenizer)
+            runs.extend(batch)
     return runs
+
+
+def _check_against_greedy(batch: list[dict], item: Item, tokenizer) -> None:
+    # Greedy decoding through torch's kernels where it ran, else through ours: in fp32 both give the
+    # same tokens, in bf16 only the latter sums each row as our verification does (section 1.6).
+    reference = next((r["tokens"] for greedy in ("hf-greedy", "hf-greedy:fast") for r in batch if r["method"] == greedy), None)
+    for r in batch:
+        r["identical"] = reference is not None and r["tokens"] == reference
+        if item.answers:
+            text = tokenizer.decode(r["tokens"], skip_special_tokens=True).lower()
+            r["answer_found"] = any(a.lower() in text for a in item.answers)
 
 
 def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 3) -> dict[str, dict[int, float]]:
@@ -341,9 +347,12 @@ def renamed(runs: list[dict], renames: dict[str, str]) -> list[dict]:
 def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASELINES) -> dict:
     """Per category and method: speeds, and the mean, median and lowest of per-item decode speed ratios to each
     of `bases`, also of modeled decode times where the runs have them (`with_modeled`)."""
-    by = defaultdict(dict)
+    repeated = defaultdict(list)
     for r in runs:
-        by[(r["category"], r["item"])][r["method"]] = r
+        repeated[(r["category"], r["item"], r["method"])].append(r)
+    by = defaultdict(dict)
+    for (category, item, method), rs in repeated.items():
+        by[(category, item)][method] = _median_run(rs)
     summary = {}
     for category in dict.fromkeys(r["category"] for r in runs):
         items = [m for (c, _), m in by.items() if c == category]
@@ -398,6 +407,13 @@ def summarize(runs: list[dict], methods: list[str], bases: Sequence[str] = BASEL
                         row[method][f"{kind}_speedup_vs_{base}_ci95"] = _ci95(ratios)
         summary[category] = {"items": len(items), "methods": row}
     return summary
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Of one method's runs of one item (`measure`'s repeats, or pooled files over the same items), the
+    one with the median decode time per token (of two, the faster), identical only if all were."""
+    ordered = sorted(runs, key=lambda r: r["decode_s"] / max(_decode_tokens(r), 1))
+    return {**ordered[(len(ordered) - 1) // 2], "identical": all(r["identical"] for r in runs)}
 
 
 def _decode_tokens(run: dict) -> int:

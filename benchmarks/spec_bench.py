@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--datastore", type=Path, default=None, help="for rest, trie+rest and combined")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every method per item, back to back; the summary keeps each method's median run per item")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_bench"))
     parser.add_argument("--from-json", type=Path, action="append",
@@ -119,7 +121,7 @@ def main() -> None:
     items = load_items(engine, args.data, args.categories.split(","), args.n, args.offset)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs
     costs = reference_costs(engine, draft[0] if draft else None)
-    runs = measure(items, methods, args.max_new_tokens, engine.tokenizer)
+    runs = measure(items, methods, args.max_new_tokens, engine.tokenizer, args.repeats)
     write(args, engine, runs, list(methods), title, {"reference_costs": costs}, bases=args.bases.split(","))
 
 

@@ -172,3 +172,16 @@ def test_a_fresh_run_summarizes_as_its_saved_copy(tokenizer):
     saved = summarize(json.loads(json.dumps([run])), ["trie"], bases=[])["qa"]["methods"]["trie"]["forwards"]
     assert fresh == saved
     assert fresh["without_draft"] == run["forward_sizes"]["1"] > 0
+
+
+def test_repeated_runs_of_an_item_count_as_their_median():
+    def run(method, decode_s, identical=True):
+        return {"item": "a", "category": "qa", "method": method, "tokens": [0] * 9, "total_s": decode_s, "decode_s": decode_s,
+                "forwards": None, "identical": identical}
+
+    runs = [run("base", 2.0), run("base", 9.0), run("base", 1.0), run("ours", 1.0), run("ours", 0.5, identical=False)]
+    block = summarize(runs, ["base", "ours"], bases=["base"])["qa"]["methods"]
+    assert block["base"]["items"] == 1 and block["base"]["decode_tok_s"] == pytest.approx(8 / 2.0)
+    # Of two, the faster; one differing output makes the item not identical.
+    assert block["ours"]["decode_speedup_vs_base_mean"] == pytest.approx(2.0 / 0.5)
+    assert block["ours"]["identical_to_greedy"] == 0
