@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rag_speculate.cpu_attention import small_attention
+from rag_speculate.cpu.attention import small_attention
 
 
 def main() -> None:

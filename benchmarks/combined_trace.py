@@ -27,8 +27,9 @@ import torch
 from spec_bench import DEFAULT_DATA, load_items, open_datastore
 
 from rag_speculate import CombinedDrafter, NGramTrieDrafter, OuroborosDrafter, RESTDrafter, SpeculativeEngine
-from rag_speculate.drafters.ouroboros import DRAFT_SOURCE
-from rag_speculate.loading import int8_draft_model, load_model
+from rag_speculate.drafters.ouroboros.drafter import DRAFT_SOURCE
+from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.models.loading import load_model
 
 
 def main() -> None:

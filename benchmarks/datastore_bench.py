@@ -214,7 +214,7 @@ def real_corpora(args) -> list[tuple[str, list[str]]]:
     if args.texts:
         corpora.append((args.texts.name, read_texts(args.texts, args.text_field)))
     if args.nq:
-        from rag_speculate.nq import nq_documents
+        from rag_speculate.retrieval.nq import nq_documents
 
         corpora.append(("NQ passages (shipped)", [d.text for d in nq_documents()]))
     if corpora and not args.tokenizer:
@@ -223,7 +223,7 @@ def real_corpora(args) -> list[tuple[str, list[str]]]:
 
 
 def load_tokenizer(name: str):
-    from rag_speculate.models import is_packaged_model, load_packaged_model
+    from rag_speculate.models.packaged import is_packaged_model, load_packaged_model
 
     if is_packaged_model(name):
         import torch

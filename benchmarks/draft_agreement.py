@@ -26,9 +26,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import SpeculativeEngine
-from rag_speculate.drafters.ouroboros import head_ids
-from rag_speculate.loading import cpu_has_vnni, int8_draft_model, load_model
-from rag_speculate.verify import cache_keyword
+from rag_speculate.drafters.ouroboros.draft_model import head_ids
+from rag_speculate.models.int8 import cpu_has_vnni, int8_draft_model
+from rag_speculate.models.loading import load_model
+from rag_speculate.decoding.kv_cache import cache_keyword
 
 
 def torch_ao_int8(model: torch.nn.Module) -> torch.nn.Module:

@@ -27,14 +27,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from rag_speculate import cpu_linear, fast_kernels
-from rag_speculate.drafters.ouroboros import head_ids
-from rag_speculate.fast_kernels import FastKernels
-from rag_speculate.lean_forward import LeanForward, lean_forward
-from rag_speculate.loading import int8_draft_model
-from rag_speculate.models import is_packaged_model, load_packaged_model
-from rag_speculate.tree import DraftTree
-from rag_speculate.verify import Verifier, cache_keyword
+from rag_speculate.cpu import kernels as fast_kernels, linear as cpu_linear
+from rag_speculate.drafters.ouroboros.draft_model import head_ids
+from rag_speculate.cpu.kernels import FastKernels
+from rag_speculate.models.lean_forward import lean_forward, LeanForward
+from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.models.packaged import is_packaged_model, load_packaged_model
+from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.decoding.forward import TreeForward
+from rag_speculate.decoding.kv_cache import cache_keyword
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -55,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fast", action="store_true", help="linear layers through the engine's CPU kernels (cpu_linear.py)")
     parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
-                        help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (verify.Verifier)")
+                        help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (verify.TreeForward)")
     parser.add_argument("--head-vocabulary", type=int, default=None, metavar="N",
                         help="with --lean: also, in the same rounds, with the head scoring only the N lowest ids and the "
                              "context's (OuroborosDrafter's head_vocabulary)")
@@ -120,7 +121,7 @@ def synchronize(device: torch.device) -> None:
 @torch.inference_mode()
 def time_forward(
     model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False, lean: LeanForward | None = None,
-    verifier: Verifier | None = None,
+    verifier: TreeForward | None = None,
 ) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
     keyword = cache_keyword(model)  # read off the class hierarchy: outside the timed forward
@@ -129,7 +130,7 @@ def time_forward(
     with FastKernels() if fast else contextlib.nullcontext():
         if verifier is not None:
             ids = tokens[0].tolist()
-            verifier.forward_tree(cache, ids[0], DraftTree.chain(ids[1:]))
+            verifier.tree(cache, ids[0], DraftTree.chain(ids[1:]))
         elif lean is not None:
             lean(tokens, cache, logits_to_keep=tokens.shape[1])
         else:
@@ -154,7 +155,7 @@ def main() -> None:
         if lean is None:
             sys.exit(f"no lean forward for {args.model}: {reason}")
     # time_forward already runs it inside the fast kernels' mode where asked.
-    verifier = Verifier(model, forward=lean) if args.tree else None
+    verifier = TreeForward(model, forward=lean) if args.tree else None
     device = model.device
     # Token identity does not affect the cost; avoid the special tokens at the top of the vocab.
     vocab = model.config.vocab_size - 1000

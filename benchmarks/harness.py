@@ -40,13 +40,13 @@ from rag_speculate import (
     SpeculativeEngine,
     Verification,
 )
-from rag_speculate.baseline import timed_generate
-from rag_speculate.budget import CostModel, best_prefix
-from rag_speculate.cpu_linear import fast_linear_works
-from rag_speculate.fast_kernels import FastKernels
-from rag_speculate.lean_forward import lean_forward
-from rag_speculate.tree import ROOT
-from rag_speculate.verify import Verifier
+from rag_speculate.decoding.baseline import timed_generate
+from rag_speculate.decoding.budget import best_prefix, CostModel
+from rag_speculate.cpu.linear import fast_linear_works
+from rag_speculate.cpu.kernels import FastKernels
+from rag_speculate.models.lean_forward import lean_forward
+from rag_speculate.decoding.tree import ROOT
+from rag_speculate.decoding.forward import TreeForward
 
 Method = Callable[[list[int], list | None, int], dict]
 BASELINES = ("hf-greedy", "hf-greedy:fast", "hf-pld", "hf-assisted", "hf-assisted:fast")  # what the summary divides by
@@ -294,8 +294,8 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
     model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
 
     def curve(model, fast: bool, max_q: int, exact: bool = True, forward=None) -> dict[int, float]:
-        verifier = Verifier(model, fast_kernels=fast, forward=forward)
-        forward = verifier.timed_forward(verifier.supports_tree_attention(exact=exact)[0])
+        verifier = TreeForward(model, fast_kernels=fast, forward=forward)
+        forward = verifier.timed(verifier.supports_tree_attention(exact=exact)[0])
         tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
         return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
 

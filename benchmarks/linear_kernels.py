@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rag_speculate import cpu_linear
+from rag_speculate.cpu import linear as cpu_linear
 
 
 def kernels(weights: list[torch.Tensor], rows: list[int], variants: dict[str, Path]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:

@@ -23,9 +23,9 @@ from spec_bench import write
 
 from rag_speculate import Datastore, RESTDrafter, SpeculativeEngine
 from rag_speculate.cli import DEFAULT_MODEL
-from rag_speculate.corpus import CorpusIndex, drafting_documents, rag_messages
-from rag_speculate.models import cache_dir
-from rag_speculate.nq import nq_documents, nq_questions
+from rag_speculate.retrieval.corpus import CorpusIndex, drafting_documents, rag_messages
+from rag_speculate.models.packaged import cache_dir
+from rag_speculate.retrieval.nq import nq_documents, nq_questions
 
 METHODS = ["hf-greedy", "hf-pld", "trie", "rest", "trie+rest"]
 SIZES = (0.1, 0.3, 1.0)

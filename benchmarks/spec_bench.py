@@ -32,7 +32,8 @@ from harness import (
 )
 
 from rag_speculate import Datastore, SpeculativeEngine
-from rag_speculate.loading import int8_draft_model, load_model
+from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.models.loading import load_model
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ["summarization", "rag", "qa", "math_reasoning", "translation"]

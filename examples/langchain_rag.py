@@ -25,7 +25,7 @@ from langchain_rag_speculate import ChatSpeculativeHF, create_rag_chain
 sys.path.insert(0, str(Path(__file__).parent))
 from nq_corpus import SYSTEM_PROMPT, load_passages, parse_args, questions, report
 
-from rag_speculate.corpus import packaged_embedding_path
+from rag_speculate.retrieval.corpus import packaged_embedding_path
 
 
 class SentenceTransformerEmbeddings(Embeddings):

@@ -28,7 +28,7 @@ from llama_index.vector_stores.faiss import FaissVectorStore
 sys.path.insert(0, str(Path(__file__).parent))
 from nq_corpus import SYSTEM_PROMPT, load_passages, parse_args, questions, report
 
-from rag_speculate.corpus import packaged_embedding_path
+from rag_speculate.retrieval.corpus import packaged_embedding_path
 
 
 class SpeculativeStats(BaseEventHandler):

@@ -1,24 +1,27 @@
 """rag-speculate: lossless speculative decoding for RAG, drafting from what the pipeline retrieved."""
 
-from .datastore import Datastore, DatastoreError
+from .retrieval.datastore import Datastore, DatastoreError
 from .drafters import (
+    CombinedConfig,
     CombinedDrafter,
     DraftContext,
     Drafter,
     NGramTrieDrafter,
+    OuroborosConfig,
     OuroborosDrafter,
     PhrasePool,
     PhrasePoolError,
     RESTDrafter,
 )
-from .engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
+from .decoding.engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
 from .errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
-from .result import GenerationResult, GenerationStats, GenerationStream
-from .tree import DraftTree
-from .verify import Verification
+from .decoding.result import GenerationResult, GenerationStats, GenerationStream
+from .decoding.tree import DraftTree
+from .decoding.verify import Verification
 
 __all__ = [
     "DEFAULT_DRAFT_BUDGET",
+    "CombinedConfig",
     "CombinedDrafter",
     "Datastore",
     "DatastoreError",
@@ -31,6 +34,7 @@ __all__ = [
     "InvalidArgumentError",
     "ModelPackageError",
     "NGramTrieDrafter",
+    "OuroborosConfig",
     "OuroborosDrafter",
     "PhrasePool",
     "PhrasePoolError",

@@ -15,15 +15,16 @@ from pathlib import Path
 
 import torch
 
-from .baseline import timed_generate
-from .corpus import ChunkingOptions, CorpusIndex, drafting_documents, rag_messages, read_corpus
+from .decoding.baseline import timed_generate
+from .retrieval.corpus import ChunkingOptions, CorpusIndex, drafting_documents, rag_messages, read_corpus
 from .drafters import NGramTrieDrafter, OuroborosDrafter, RESTDrafter
-from .engine import SpeculativeEngine
+from .decoding.engine import SpeculativeEngine
 from .errors import RagSpeculateError
-from .fast_kernels import FastKernels
-from .loading import int8_draft_model, load_model
-from .models import cache_dir
-from .result import GenerationResult
+from .cpu.kernels import FastKernels
+from .models.int8 import int8_draft_model
+from .models.loading import load_model
+from .models.packaged import cache_dir
+from .decoding.result import GenerationResult
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEMO_QUESTION = 0  # the shipped corpus's first question, unless --question or --item says otherwise
@@ -117,7 +118,7 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .nq import nq_documents, nq_questions
+    from .retrieval.nq import nq_documents, nq_questions
 
     questions = nq_questions()
     if args.question is None and not 0 <= args.item < len(questions):

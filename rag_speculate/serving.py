@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from .engine import SpeculativeEngine
-from .result import GenerationResult, GenerationStats, GenerationStream
+from .decoding.engine import SpeculativeEngine
+from .decoding.result import GenerationResult, GenerationStats, GenerationStream
 
 # "auto": bf16 where the hardware computes in it, else fp32 (loading.default_dtype).
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

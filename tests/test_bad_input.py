@@ -70,7 +70,7 @@ def test_malformed_trees_are_rejected():
 
 
 def test_unknown_packaged_model_name():
-    from rag_speculate.loading import load_model
+    from rag_speculate.models.loading import load_model
 
     with pytest.raises(InvalidArgumentError, match="unknown model 'qwen-9000'.*qwen2.5-coder-1.5b-instruct"):
         load_model("qwen-9000")

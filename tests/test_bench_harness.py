@@ -14,10 +14,10 @@ from conftest import tiny_model
 from harness import engine_method, hf_method, modeled_decode_s, renamed, summarize, with_modeled
 
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
-from rag_speculate.baseline import timed_generate
-from rag_speculate.budget import CostModel
-from rag_speculate.fast_kernels import FastKernels
-from rag_speculate.loading import int8_draft_model
+from rag_speculate.decoding.baseline import timed_generate
+from rag_speculate.decoding.budget import CostModel
+from rag_speculate.cpu.kernels import FastKernels
+from rag_speculate.models.int8 import int8_draft_model
 
 # As JSON gives them back: sizes as strings.
 COSTS = {"target": {"1": 0.3, "5": 0.4, "9": 0.5}, "draft": {"1": 0.05, "9": 0.09}}

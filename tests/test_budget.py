@@ -6,9 +6,10 @@ import pytest
 from conftest import hf_greedy, tiny_model
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.budget import AgreementRate, CostModel, MatchAgreement, best_prefix
-from rag_speculate.tree import DraftTree
-from rag_speculate.verify import Verification
+from rag_speculate.drafters.agreement import DecayingRate, MatchAgreement
+from rag_speculate.decoding.budget import best_prefix, CostModel
+from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.decoding.verify import Verification
 
 # Measured on the project's CPU for the 1.5B target (docs/benchmarks.md), seconds.
 BF16 = CostModel({1: 0.243, 2: 0.375, 5: 0.9, 9: 1.291, 17: 2.508})
@@ -59,20 +60,20 @@ def test_match_agreement_learns_per_match_length():
     assert agreement.rate(2) == pytest.approx(0.7)
     # Nothing verified (the engine dropped the draft): no trial recorded.
     agreement.rate(3)
-    trials = agreement._rates[3]._trials
+    trials = agreement._rates[3].trials
     agreement.observe(Verification(DraftTree.empty(), [], [7], [7]))
-    assert agreement._rates[3]._trials == trials
+    assert agreement._rates[3].trials == trials
 
 
 def test_agreement_rate_learns_and_forgets():
-    rate = AgreementRate(prior=0.75, prior_weight=4)
+    rate = DecayingRate(0.75, 4)
     assert rate.rate == pytest.approx(0.75)
     for _ in range(5):
-        rate.observe(agreed=0, trials=1)
+        rate.observe(hits=0, trials=1)
     low = rate.rate
     assert low < 0.5
     for _ in range(200):
-        rate.observe(agreed=0, trials=0)
+        rate.observe(hits=0, trials=0)
     assert rate.rate == pytest.approx(0.75, abs=0.01)
 
 

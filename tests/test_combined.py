@@ -21,7 +21,7 @@ from rag_speculate import (
     SpeculativeEngine,
     Verification,
 )
-from rag_speculate.budget import CostModel
+from rag_speculate.decoding.budget import CostModel
 
 
 class FixedDrafter(Drafter):

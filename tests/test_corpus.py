@@ -14,18 +14,8 @@ import torch
 from conftest import char_tokenizer, hf_greedy, tiny_model
 
 from rag_speculate import InvalidArgumentError, NGramTrieDrafter, RESTDrafter, SpeculativeEngine
-from rag_speculate.corpus import (
-    ChunkingOptions,
-    CorpusIndex,
-    CorpusIndexError,
-    Document,
-    Embedder,
-    drafting_documents,
-    load_embedder,
-    rag_messages,
-    read_corpus,
-)
-from rag_speculate.datastore import Datastore
+from rag_speculate.retrieval.corpus import ChunkingOptions, CorpusIndex, CorpusIndexError, Document, drafting_documents, Embedder, load_embedder, rag_messages, read_corpus
+from rag_speculate.retrieval.datastore import Datastore
 
 TEXTS = [
     "the cat sat on the mat and looked at the rain falling on the garden all afternoon.",

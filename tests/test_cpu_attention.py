@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rag_speculate import fast_kernels
-from rag_speculate.cpu_attention import MAX_ROWS, small_attention, small_attention_library
-from rag_speculate.fast_kernels import FastKernels
+from rag_speculate.cpu import kernels as fast_kernels
+from rag_speculate.cpu.attention import MAX_ROWS, small_attention, small_attention_library
+from rag_speculate.cpu.kernels import FastKernels
 
 pytestmark = pytest.mark.skipif(
     small_attention_library()[0] is None, reason=f"attention kernel unavailable: {small_attention_library()[1]}"

@@ -7,17 +7,13 @@ import torch
 import torch.nn.functional as F
 from conftest import hf_greedy, tiny_model
 
-from rag_speculate import (
-    InvalidArgumentError,
-    NGramTrieDrafter,
-    SpeculativeEngine,
-    cpu_attention,
-    cpu_linear,
-    fast_kernels,
-)
-from rag_speculate.budget import CostModel
-from rag_speculate.cpu_linear import fast_linear_works, small_linear_library
-from rag_speculate.fast_kernels import FastKernels
+from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine
+from rag_speculate.cpu import attention as cpu_attention
+from rag_speculate.cpu import kernels as fast_kernels
+from rag_speculate.cpu import linear as cpu_linear
+from rag_speculate.decoding.budget import CostModel
+from rag_speculate.cpu.linear import fast_linear_works, small_linear_library
+from rag_speculate.cpu.kernels import FastKernels
 
 needs_small_kernel = pytest.mark.skipif(
     small_linear_library()[0] is None, reason=f"small-row kernel unavailable: {small_linear_library()[1]}"

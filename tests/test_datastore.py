@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from conftest import VOCAB, char_tokenizer, hf_greedy, tiny_model
 
-import rag_speculate.datastore as datastore_module
+import rag_speculate.retrieval.datastore as datastore_module
 from rag_speculate import Datastore, DatastoreError, DraftContext, InvalidArgumentError, RESTDrafter, SpeculativeEngine
-from rag_speculate.budget import CostModel
-from rag_speculate.datastore import tokenizer_fingerprint
+from rag_speculate.decoding.budget import CostModel
+from rag_speculate.retrieval.datastore import tokenizer_fingerprint
 
 
 def naive_retrieve(documents: list[list[int]], context: list[int], n_max: int, m: int) -> tuple[int, list[list[int]]]:

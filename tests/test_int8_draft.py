@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from rag_speculate import loading
-from rag_speculate.loading import Int8Linear, int8_draft_model
+from rag_speculate.models import int8
+from rag_speculate.models.int8 import int8_draft_model, Int8Linear
 
 
 @pytest.mark.parametrize("vnni", [True, False])
 def test_every_linear_layer_computes_in_int8_with_the_range_the_cpu_allows(monkeypatch, vnni):
-    monkeypatch.setattr(loading, "cpu_has_vnni", lambda: vnni)
+    monkeypatch.setattr(int8, "cpu_has_vnni", lambda: vnni)
     model = tiny_model("qwen2", seed=0)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     int8_draft_model(model)

@@ -9,11 +9,12 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from rag_speculate import OuroborosDrafter
+from rag_speculate.drafters.ouroboros import OuroborosConfig
 from rag_speculate.drafters.base import DraftContext
-from rag_speculate.lean_forward import lean_forward
-from rag_speculate.loading import int8_draft_model
-from rag_speculate.tree import DraftTree, tree_attention_mask, tree_position_ids
-from rag_speculate.verify import cache_keyword
+from rag_speculate.models.lean_forward import lean_forward
+from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.decoding.tree import DraftTree, tree_attention_mask, tree_position_ids
+from rag_speculate.decoding.kv_cache import cache_keyword
 
 
 def _forwards(model, forward) -> list[torch.Tensor]:
@@ -119,8 +120,8 @@ def test_a_model_that_computes_otherwise_is_caught_by_the_probe():
 
 def test_ouroboros_drafts_through_the_lean_forward_where_it_fits(tokenizer):
     draft = tiny_model("llama")
-    drafter = OuroborosDrafter(draft, tokenizer, min_score=0.0)
-    assert drafter.lean_forward_skipped == ""
+    drafter = OuroborosDrafter(draft, tokenizer, OuroborosConfig(min_score=0.0))
+    assert drafter.draft.lean_forward_skipped == ""
     drafter.attach(tokenizer, VOCAB)  # its tree-attention check runs the model's own forward as the reference
     own, embedded = [], []
     draft.register_forward_hook(lambda *_: own.append(1))
@@ -129,5 +130,5 @@ def test_ouroboros_drafts_through_the_lean_forward_where_it_fits(tokenizer):
     drafter.start(DraftContext(ids, [], VOCAB))
     assert len(drafter.propose(ids, budget=4)) > 0
     assert own == [] and len(embedded) >= 2  # the prefill and the draft forwards, none through the model's own
-    assert "not a Llama-family decoder" in OuroborosDrafter(tiny_model("gpt2"), tokenizer).lean_forward_skipped
-    assert OuroborosDrafter(tiny_model("llama"), tokenizer, lean=False).lean_forward_skipped == "lean=False"
+    assert "not a Llama-family decoder" in OuroborosDrafter(tiny_model("gpt2"), tokenizer).draft.lean_forward_skipped
+    assert OuroborosDrafter(tiny_model("llama"), tokenizer, OuroborosConfig(lean=False)).draft.lean_forward_skipped == "lean=False"

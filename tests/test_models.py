@@ -18,20 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rag_speculate import models
+from rag_speculate.models import packaged as models
 from rag_speculate.errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
-from rag_speculate.models import (
-    MANIFEST_NAME,
-    PACKAGED_MODELS,
-    WEIGHTS_NAME,
-    PackagedModel,
-    cache_dir,
-    converted_dir,
-    gguf_path,
-    is_packaged_model,
-    load_packaged_model,
-    packaged_model_names,
-)
+from rag_speculate.models.packaged import cache_dir, converted_dir, gguf_path, is_packaged_model, load_packaged_model, MANIFEST_NAME, packaged_model_names, PACKAGED_MODELS, PackagedModel, WEIGHTS_NAME
 
 SMOL = "smollm2-135m-instruct"
 PROMPT = "def fibonacci(n):"
@@ -288,7 +277,7 @@ def test_damaged_cache_is_detected(
     folder = _use_copy_of_cache(smol, tmp_path, monkeypatch)
     damage(folder)
     monkeypatch.setattr(models, "_convert", _refuse_rebuild)
-    with caplog.at_level(logging.WARNING, logger="rag_speculate.models"), pytest.raises(_RebuildRequested):
+    with caplog.at_level(logging.WARNING, logger="rag_speculate.models.packaged"), pytest.raises(_RebuildRequested):
         load_packaged_model(SMOL, dtype=torch.float32)
     assert "rebuilding" in caplog.text
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from rag_speculate import DraftContext, DraftTree, NGramTrieDrafter
-from rag_speculate.tree import tree_attention_mask, tree_position_ids
+from rag_speculate.decoding.tree import tree_attention_mask, tree_position_ids
 
 
 def paper_trie(tokens: list[int], n: int, max_prefix: int) -> dict:

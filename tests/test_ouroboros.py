@@ -19,10 +19,12 @@ from rag_speculate import (
     PhrasePoolError,
     SpeculativeEngine,
 )
-from rag_speculate.budget import CostModel
-from rag_speculate.loading import int8_draft_model
-from rag_speculate.sampling import SamplingParams
-from rag_speculate.verify import Verification, Verifier, accept
+from rag_speculate.decoding.budget import CostModel
+from rag_speculate.drafters.ouroboros import OuroborosConfig
+from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.decoding.sampling import SamplingParams
+from rag_speculate.decoding.verify import accept, Verification
+from rag_speculate.decoding.forward import TreeForward
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, Einstein published"]
 
@@ -32,10 +34,10 @@ def flat_cost(seconds: float = 1.0) -> CostModel:
     return CostModel({1: seconds, 65: seconds}, learn=False)
 
 
-def make_drafter(draft, tokenizer, **kwargs) -> OuroborosDrafter:
-    drafter = OuroborosDrafter(draft, tokenizer, **kwargs)
+def make_drafter(draft, tokenizer, pool=None, **options) -> OuroborosDrafter:
+    drafter = OuroborosDrafter(draft, tokenizer, OuroborosConfig(**options), pool=pool)
     # A draft forward at a tenth of a target forward: chains stop below acceptance estimates of 0.1.
-    drafter.cost_model = flat_cost(0.1)
+    drafter.draft.cost_model = flat_cost(0.1)
     return drafter
 
 
@@ -101,7 +103,7 @@ def test_a_restricted_head_scores_the_lowest_ids_and_those_of_prompt_and_documen
     result = engine.generate(prompt, documents=[reference], max_new_tokens=48)
     assert result.token_ids == reference
     head = set(range(4)) | set(tokenizer.all_special_ids) | set(prompt) | set(reference)
-    assert sorted(drafter._head_ids) == sorted(head)  # each id once
+    assert sorted(drafter.draft._head_ids) == sorted(head)  # each id once
     assert result.stats.accepted_tokens["draft_model"] > 24
     # Without that document, it proposes only ids its head scores (the output stays the target's).
     result = engine.generate(prompt, max_new_tokens=48)
@@ -148,7 +150,7 @@ def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_ma
         # int8 quantizes a forward's rows together, so its logits move with the rows beside them and
         # the target's exact check fails; the mask is honoured all the same.
         draft = int8_draft_model(base)
-        assert not Verifier(draft).supports_tree_attention()[0]
+        assert not TreeForward(draft).supports_tree_attention()[0]
     else:
         draft = IgnoresCustomMasks(base.config).eval()
         draft.load_state_dict(base.state_dict())
@@ -163,7 +165,7 @@ def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_ma
     drafter.start(DraftContext(ids, [], VOCAB))
     drafter.propose(ids, budget=16)
     # One draft forward: the root and both phrases' tokens, or only the longest branch's.
-    assert drafter.draft_forward_sizes == {fed: 1}
+    assert drafter.draft.draft_forward_sizes == {fed: 1}
 
 
 def test_the_lookahead_window_puts_the_draft_models_own_ngrams_in_the_pool(tokenizer):
@@ -190,7 +192,7 @@ def test_the_lookahead_window_puts_the_draft_models_own_ngrams_in_the_pool(token
     # The oldest level goes, the outputs come in as the newest.
     assert drafter._window.levels == [levels[1], outputs]
     # The window's rows ride in the same draft forward and change nothing the draft model drafts.
-    assert drafter.draft_forward_sizes == {1 + 6: 1}
+    assert drafter.draft.draft_forward_sizes == {1 + 6: 1}
     assert tokens[0] == greedy_next(ids)
 
 
@@ -200,7 +202,7 @@ def first_chain(tokenizer, target_cost: CostModel | None = None, draft_cost: Cos
     ids = tokenizer.encode(PROMPTS[1])
     drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False, **kwargs)
     if draft_cost is not None:
-        drafter.cost_model = draft_cost
+        drafter.draft.cost_model = draft_cost
     drafter.attach(tokenizer, VOCAB)
     drafter.start(DraftContext(ids, [], VOCAB, target_cost))
     return drafter.propose(ids, budget=16)
@@ -579,9 +581,9 @@ def test_engine_refuses_a_draft_model_with_other_token_ids(tmp_path, tokenizer):
 )
 def test_drafter_refuses_invalid_arguments(argument, value, tokenizer):
     with pytest.raises(InvalidArgumentError, match=argument):
-        OuroborosDrafter(tiny_model("llama"), tokenizer, **{argument: value})
+        OuroborosConfig(**{argument: value})
 
 
 def test_drafter_refuses_lookahead_ngrams_longer_than_the_pools_phrases(tokenizer):
     with pytest.raises(InvalidArgumentError, match="lookahead_ngram must be at most the pool's beta=4"):
-        OuroborosDrafter(tiny_model("llama"), tokenizer, beta=4, lookahead=2, lookahead_ngram=5)
+        OuroborosDrafter(tiny_model("llama"), tokenizer, OuroborosConfig(beta=4, lookahead=2, lookahead_ngram=5))

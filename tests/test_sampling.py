@@ -12,7 +12,7 @@ from drafters_for_tests import TopKTreeDrafter
 from scipy.stats import chisquare
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.sampling import SamplingParams, warp_logits
+from rag_speculate.decoding.sampling import SamplingParams, warp_logits
 
 PROMPT = "the quick brown fox"
 

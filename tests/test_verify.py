@@ -9,22 +9,23 @@ import torch
 from conftest import VOCAB, tiny_model
 from transformers.integrations import sdpa_attention
 
-from rag_speculate.tree import DraftTree
-from rag_speculate.verify import Verifier, cache_keyword, make_cache
+from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.decoding.forward import TreeForward
+from rag_speculate.decoding.kv_cache import cache_keyword, make_cache
 
 TREE = DraftTree([11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 3, -1])
 
 
-def _tree_logits(verifier: Verifier) -> torch.Tensor:
+def _tree_logits(verifier: TreeForward) -> torch.Tensor:
     cache = make_cache(verifier.model)
     verifier.prefill(cache, [(7 * i + 3) % VOCAB for i in range(40)])
-    return verifier.forward_tree(cache, 5, TREE)
+    return verifier.tree(cache, 5, TREE)
 
 
 def test_tree_forward_reads_grouped_heads_without_copies_and_the_same_logits(monkeypatch):
     model = tiny_model("qwen2")  # 4 query heads share 2 key/value heads
     assert model.config._attn_implementation == "sdpa"
-    verifier = Verifier(model)
+    verifier = TreeForward(model)
     copied = _tree_logits_with_copies(monkeypatch, verifier)
 
     def no_copies(*args, **kwargs):
@@ -35,7 +36,7 @@ def test_tree_forward_reads_grouped_heads_without_copies_and_the_same_logits(mon
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ  # switched on for the forward only
 
 
-def _tree_logits_with_copies(monkeypatch, verifier: Verifier) -> torch.Tensor:
+def _tree_logits_with_copies(monkeypatch, verifier: TreeForward) -> torch.Tensor:
     """transformers' own path with a mask (the one without the switch), for reference."""
     calls = []
     repeat_kv = sdpa_attention.repeat_kv
@@ -49,7 +50,7 @@ def _tree_logits_with_copies(monkeypatch, verifier: Verifier) -> torch.Tensor:
 
 def test_a_users_own_switch_is_left_as_it_was(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
-    _tree_logits(Verifier(tiny_model("qwen2")))
+    _tree_logits(TreeForward(tiny_model("qwen2")))
     assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
 
 
@@ -72,5 +73,5 @@ def test_the_cache_goes_under_the_keyword_the_models_forward_names():
     # Through the verifier, the cache fills: a keyword the model ignored would leave it empty.
     model = tiny_model("qwen2")
     cache = make_cache(model)
-    Verifier(model).prefill(cache, [3, 4, 5])
+    TreeForward(model).prefill(cache, [3, 4, 5])
     assert cache.get_seq_length() == 3

@@ -1,17 +1,18 @@
 """Drafters propose what the target model verifies; see `base.Drafter` for the interface."""
 
 from .base import DraftContext, Drafter
-from .combined import CombinedDrafter
+from .combined import CombinedConfig, CombinedDrafter
 from .ngram_trie import NGramTrieDrafter
-from .ouroboros import OuroborosDrafter
-from .phrase_pool import PhrasePool, PhrasePoolError
+from .ouroboros import OuroborosConfig, OuroborosDrafter, PhrasePool, PhrasePoolError
 from .rest import RESTDrafter
 
 __all__ = [
+    "CombinedConfig",
     "CombinedDrafter",
     "DraftContext",
     "Drafter",
     "NGramTrieDrafter",
+    "OuroborosConfig",
     "OuroborosDrafter",
     "PhrasePool",
     "PhrasePoolError",

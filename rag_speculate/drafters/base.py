@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from ..budget import CostModel
-from ..tree import DraftTree
-from ..verify import Verification
+from ..decoding.budget import CostModel
+from ..decoding.tree import DraftTree
+from ..decoding.verify import Verification
 
 
 @dataclass(frozen=True)

@@ -28,38 +28,44 @@ cost: where the documents' trie has a long confident match, the draft model is n
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import InvalidArgumentError
-from ..tree import ROOT, DraftTree
-from ..verify import Verification
+from .agreement import DecayingRate
+from ..decoding.tree import ROOT, DraftTree
+from ..decoding.verify import Verification
 from .base import DraftContext, Drafter
 
-_MEMORY = 0.9  # weight of the past in the running averages below, once they hold 10 samples
-# Expected tokens' weight of the neutral calibration 1.0. A retrieval drafter's scores come from
-# priors (REST on a translation: 8 expected tokens, 1 accepted) and need little weight to be
-# corrected; a drafter that paces itself (a draft model's probabilities: 29 expected, 29 accepted)
-# acts on its failures already, and a light prior on top cut its chains (docs/benchmarks.md §4).
-_CALIBRATION_PRIOR = 1.0
-_SELF_PACED_CALIBRATION_PRIOR = 4.0
-_TRIAL = 3  # steps a drafter drafts in each generation before it is judged
-# Samples' weight the averages of earlier generations keep when a generation starts: with none, a
-# generation's first proposal stood for the drafter alone (a draft model's 12-token chain rejected
-# at its second token, 520 ms for 1 token, kept it off a math answer it went on to draft 8 tokens
-# at a time: docs/benchmarks.md §4, "Earlier generations' averages").
-_CARRIED = 3
-# Steps a drafter that does not pay is skipped before it is tried again; doubled after each retry
-# that still does not pay. A retry costs a proposal (an int8 0.5B draft model: 50-150 ms here,
-# with catching up on the text it skipped, against a 350-500 ms target step); missing a drafter
-# that helps costs far more.
-_FIRST_RETRY = 4
-_LAST_RETRY = 64
-_TOLERANCE = 0.02  # slower by at most this share still counts as paying (drafting time under ~2%)
+
+
+@dataclass(frozen=True)
+class CombinedConfig:
+    """The combined drafter's tuning constants."""
+
+    # Weight of the past in the running averages, once they hold 1 / (1 - memory) samples.
+    memory: float = 0.9
+    # Expected tokens' weight of the neutral calibration 1.0: a retrieval drafter's scores come
+    # from priors and need little weight to be corrected; a drafter that paces itself already
+    # acts on its failures, and a light prior on top would cut its chains.
+    calibration_prior: float = 1.0
+    self_paced_calibration_prior: float = 4.0
+    # Steps a drafter drafts in each generation before it is judged.
+    trial: int = 3
+    # Samples' weight the averages of earlier generations keep when a generation starts: with none,
+    # a generation's first proposal stands for the drafter alone, and one miss keeps it off.
+    carried: int = 3
+    # Steps a drafter that does not pay is skipped before it is tried again, doubled after each
+    # retry that still does not pay: a retry costs one proposal, missing a drafter that helps more.
+    first_retry: int = 4
+    last_retry: int = 64
+    # Slower by at most this share still counts as paying, so a drafter whose time is negligible stays on.
+    tolerance: float = 0.02
+
 
 Path = tuple[int, ...]
 
@@ -74,42 +80,37 @@ class _Proposal(NamedTuple):
 class _Ledger:
     """What one drafter has earned: calibration of its estimates, and its time against its tokens."""
 
-    def __init__(self, calibration_prior: float) -> None:
-        self.calibration_prior = calibration_prior
-        self.expected = 0.0
-        self.accepted = 0.0
+    def __init__(self, config: CombinedConfig, calibration_prior: float) -> None:
+        self.config = config
+        # Accepted over expected tokens on the nodes it ranked itself, neutral (1.0) at first.
+        self.calibration = DecayingRate(1.0, calibration_prior, config.memory)
         self.propose_s = 0.0
         self.with_tokens = self.without_tokens = 0.0
         self.own_tokens = 0.0  # accepted tokens from its own nodes, per step it drafted
         self.samples = 0  # the weight of the averages above, in steps
         self.trial = 0  # steps it drafted in this generation
         self.skipped_for = 0
-        self.retry_after = _FIRST_RETRY
+        self.retry_after = config.first_retry
 
-    @property
-    def calibration(self) -> float:
-        return (self.accepted + self.calibration_prior) / (self.expected + self.calibration_prior)
+    def average(self, old: float, new: float) -> float:
+        """The mean of the first samples, then an exponential average."""
+        return old + (new - old) * max(1 / (self.samples + 1), 1 - self.config.memory)
 
     def pays(self, target_s: float, others_s: float) -> bool:
         """Whether steps with this drafter yield at least about as many tokens per second as without it.
 
-        The tolerance keeps a drafter whose time is negligible (a trie lookup: 0.1 ms against a
-        300 ms forward) even while it has not helped yet: skipping it would save nothing, and its
-        help often starts later in the answer (a summary quotes its article after a paraphrased start).
+        The tolerance keeps a drafter whose time is negligible (a trie lookup) even while it has
+        not helped yet: skipping it would save nothing, and its help often starts later in the
+        answer (a summary quotes its article after a paraphrased start).
         """
         with_speed = (1 + self.with_tokens) / (target_s + others_s + self.propose_s)
-        return with_speed >= (1 - _TOLERANCE) * (1 + self.without_tokens) / (target_s + others_s)
-
-
-def _average(old: float, new: float, samples: int) -> float:
-    """The mean of the first samples, then an exponential average (`samples`: those already in `old`)."""
-    return old + (new - old) * max(1 / (samples + 1), 1 - _MEMORY)
+        return with_speed >= (1 - self.config.tolerance) * (1 + self.without_tokens) / (target_s + others_s)
 
 
 class CombinedDrafter(Drafter):
     name = "combined"
 
-    def __init__(self, drafters: Sequence[Drafter], *, skip_unpaid: bool = True):
+    def __init__(self, drafters: Sequence[Drafter], *, skip_unpaid: bool = True, config: CombinedConfig | None = None):
         """`skip_unpaid=False` keeps every drafter on every step, whatever its time costs."""
         drafters = list(drafters)
         if not drafters or not all(isinstance(d, Drafter) for d in drafters):
@@ -119,8 +120,10 @@ class CombinedDrafter(Drafter):
             raise InvalidArgumentError(f"drafter names must be distinct to credit their tokens, got {names}")
         self.drafters = drafters
         self.skip_unpaid = skip_unpaid
+        self.config = config = config or CombinedConfig()
         self._ledgers = {
-            d.name: _Ledger(_SELF_PACED_CALIBRATION_PRIOR if d.paces_itself else _CALIBRATION_PRIOR) for d in drafters
+            d.name: _Ledger(config, config.self_paced_calibration_prior if d.paces_itself else config.calibration_prior)
+            for d in drafters
         }
         self._target_s = 0.0
         self._steps = 0
@@ -139,8 +142,8 @@ class CombinedDrafter(Drafter):
             # translation), so it is judged afresh in each generation; its calibration carries
             # over, and its averages as a few steps' worth of evidence.
             ledger = self._ledgers[drafter.name]
-            ledger.samples = min(ledger.samples, _CARRIED)
-            ledger.trial, ledger.skipped_for, ledger.retry_after = 0, 0, _FIRST_RETRY
+            ledger.samples = min(ledger.samples, self.config.carried)
+            ledger.trial, ledger.skipped_for, ledger.retry_after = 0, 0, self.config.first_retry
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         self._proposals = {}
@@ -154,13 +157,13 @@ class CombinedDrafter(Drafter):
                 ledger.skipped_for += 1
                 continue
             ledger.skipped_for = 0
-            ledger.retry_after = min(2 * ledger.retry_after, _LAST_RETRY) if retry else _FIRST_RETRY
+            ledger.retry_after = min(2 * ledger.retry_after, self.config.last_retry) if retry else self.config.first_retry
             started = time.perf_counter()
             tree = drafter.propose(tokens, budget)
-            ledger.propose_s = _average(ledger.propose_s, time.perf_counter() - started, ledger.samples)
+            ledger.propose_s = ledger.average(ledger.propose_s, time.perf_counter() - started)
             scores = _scores(tree)
-            estimates = [min(1.0, score * ledger.calibration) for score in scores]
-            self._proposals[drafter.name] = _Proposal(tree, _paths(tree), scores, estimates)
+            estimates = [min(1.0, score * ledger.calibration.rate) for score in scores]
+            self._proposals[drafter.name] = _Proposal(tree, tree.paths(), scores, estimates)
         merged = self._merge(budget)
         self._proposed_at = time.perf_counter()
         return merged
@@ -168,7 +171,7 @@ class CombinedDrafter(Drafter):
     def _should_ask(self, drafter: Drafter, ledger: _Ledger, total_s: float) -> bool:
         if not self.skip_unpaid:
             return True
-        if _judged(drafter, ledger) and not ledger.pays(self._target_s, total_s - ledger.propose_s):
+        if self._judged(drafter, ledger) and not ledger.pays(self._target_s, total_s - ledger.propose_s):
             return False
         return self._worth_asking(drafter, ledger)
 
@@ -185,14 +188,14 @@ class CombinedDrafter(Drafter):
         """
         if not self._proposals or self._target_s <= 0:
             return True
-        own = ledger.own_tokens if _judged(drafter, ledger) else max(ledger.own_tokens, 1.0)
+        own = ledger.own_tokens if self._judged(drafter, ledger) else max(ledger.own_tokens, 1.0)
         found = max(sum(p.estimates) for p in self._proposals.values())
         first = max(
             (score for p in self._proposals.values() for score, parent in zip(p.estimates, p.tree.parents) if parent == ROOT),
             default=0.0,
         )
         with_it = (1 + found + (1 - first) * own) / (self._target_s + ledger.propose_s)
-        return with_it >= (1 - _TOLERANCE) * (1 + found) / self._target_s
+        return with_it >= (1 - self.config.tolerance) * (1 + found) / self._target_s
 
     def _merge(self, budget: int) -> DraftTree:
         """The `budget` best nodes of all proposals, equal paths merged, best first."""
@@ -202,29 +205,21 @@ class CombinedDrafter(Drafter):
                 if path not in best or score > best[path][0]:
                     best[path] = (score, tree.source(i) or name, name)
         self._ranked_by = {path: name for path, (_, _, name) in best.items()}
-        children: dict[Path, list[Path]] = {}
-        for path in best:
-            children.setdefault(path[:-1], []).append(path)
-        tokens, parents, sources, scores = [], [], [], []
-        index: dict[Path, int] = {(): ROOT}
-        heap = [(-best[p][0], p) for p in children.get((), [])]
-        heapq.heapify(heap)
-        while heap and len(tokens) < budget:
-            negative, path = heapq.heappop(heap)
-            index[path] = len(tokens)
-            tokens.append(path[-1])
-            parents.append(index[path[:-1]])
-            sources.append(best[path][1])
-            scores.append(-negative)
-            for child in children.get(path, []):
-                # Never above its parent: the engine keeps a prefix of this list, which must stay a tree.
-                heapq.heappush(heap, (max(negative, -best[child][0]), child))
-        return DraftTree(tokens, parents, sources, scores)
+        # Shorter paths first, so every node's parent is listed before it.
+        paths = sorted(best, key=len)
+        index = {path: i for i, path in enumerate(paths)}
+        merged = DraftTree(
+            [path[-1] for path in paths],
+            [index[path[:-1]] if len(path) > 1 else ROOT for path in paths],
+            [best[path][1] for path in paths],
+            [best[path][0] for path in paths],
+        )
+        return merged.best_first().truncated(budget)
 
     def observe(self, verification: Verification) -> None:
-        self._target_s = _average(self._target_s, time.perf_counter() - self._proposed_at, self._steps)
+        self._target_s += (time.perf_counter() - self._proposed_at - self._target_s) * max(1 / (self._steps + 1), 1 - self.config.memory)
         self._steps += 1
-        verified = {path: i for i, path in enumerate(_paths(verification.tree))}
+        verified = {path: i for i, path in enumerate(verification.tree.paths())}
         accepted = tuple(verification.accepted_tokens[:-1])
         coverage = {name: _covered(accepted, set(p.paths)) for name, p in self._proposals.items()}
         for name, (tree, paths, scores, _) in self._proposals.items():
@@ -240,35 +235,29 @@ class CombinedDrafter(Drafter):
             # answers that way, while the nodes it ranked itself were almost never accepted).
             ranked = [i for i in kept if self._ranked_by.get(paths[i]) == name]
             if ranked and tree.scores:
-                ledger.expected = _MEMORY * ledger.expected + sum(scores[i] for i in ranked)
-                ledger.accepted = _MEMORY * ledger.accepted + sum(paths[i] == accepted[: len(paths[i])] for i in ranked)
+                agreed = sum(paths[i] == accepted[: len(paths[i])] for i in ranked)
+                ledger.calibration.observe(agreed, sum(scores[i] for i in ranked))
             without = max((c for other, c in coverage.items() if other != name), default=0)
-            ledger.with_tokens = _average(ledger.with_tokens, len(accepted), ledger.samples)
-            ledger.own_tokens = _average(ledger.own_tokens, len(projected.accepted_nodes), ledger.samples)
-            ledger.without_tokens = _average(ledger.without_tokens, without, ledger.samples)
+            ledger.with_tokens = ledger.average(ledger.with_tokens, len(accepted))
+            ledger.own_tokens = ledger.average(ledger.own_tokens, len(projected.accepted_nodes))
+            ledger.without_tokens = ledger.average(ledger.without_tokens, without)
             ledger.samples += 1
             ledger.trial += 1
             self._drafter(name).observe(projected)
 
+    def _judged(self, drafter: Drafter, ledger: _Ledger) -> bool:
+        """Whether the drafter's averages so far decide if it is asked (rather than its trial or its own pacing)."""
+        return not drafter.paces_itself and ledger.trial >= self.config.trial
+
     def _drafter(self, name: str) -> Drafter:
         return next(d for d in self.drafters if d.name == name)
-
-
-def _judged(drafter: Drafter, ledger: _Ledger) -> bool:
-    """Whether the drafter's averages so far decide if it is asked (rather than its trial or its own pacing)."""
-    return not drafter.paces_itself and ledger.trial >= _TRIAL
 
 
 def _project(verification: Verification, tree: DraftTree, paths: list[Path], verified: dict[Path, int], accepted: Path) -> tuple[Verification, list[int]]:
     """The verification as one drafter would have seen it alone, and which of its nodes were verified."""
     kept = [i for i, path in enumerate(paths) if path in verified]
     position = {old: new for new, old in enumerate(kept)}
-    sub = DraftTree(
-        [tree.tokens[i] for i in kept],
-        [ROOT if tree.parents[i] == ROOT else position[tree.parents[i]] for i in kept],
-        [tree.sources[i] for i in kept] if tree.sources else [],
-        [tree.scores[i] for i in kept] if tree.scores else [],
-    )
+    sub = tree.subset(kept)
     # Of duplicate siblings the first is the one verification follows (DraftTree.children).
     first = {}
     for i in kept:
@@ -283,13 +272,6 @@ def _project(verification: Verification, tree: DraftTree, paths: list[Path], ver
 def _scores(tree: DraftTree) -> list[float]:
     """A proposal's node scores as its drafter gave them (0.5 where it gave none)."""
     return [min(1.0, tree.scores[i]) if tree.scores else 0.5 for i in range(len(tree))]
-
-
-def _paths(tree: DraftTree) -> list[Path]:
-    paths: list[Path] = []
-    for token, parent in zip(tree.tokens, tree.parents):
-        paths.append((*(paths[parent] if parent != ROOT else ()), token))
-    return paths
 
 
 def _covered(accepted: Path, paths: set[Path]) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from ..tree import ROOT, DraftTree
+from ..decoding.tree import ROOT, DraftTree
 
 # token -> [count, children]; lists rather than a class keep insertion cheap on the drafting path.
 Trie = dict[int, list]

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import takewhile
 
-from ..budget import MatchAgreement
+from .agreement import MatchAgreement
 from ..errors import InvalidArgumentError
-from ..tree import DraftTree
-from ..verify import Verification
+from ..decoding.tree import DraftTree
+from ..decoding.verify import Verification
 from .base import DraftContext, Drafter
 from .frequency_trie import best_subtree, frequency_trie
 

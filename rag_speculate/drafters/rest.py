@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from ..budget import MatchAgreement
-from ..datastore import Datastore, DatastoreError, check_retrieval_arguments, tokenizer_fingerprint
-from ..tree import DraftTree
-from ..verify import Verification
+from .agreement import MatchAgreement
+from ..retrieval.datastore import Datastore, DatastoreError, check_retrieval_arguments, tokenizer_fingerprint
+from ..decoding.tree import DraftTree
+from ..decoding.verify import Verification
 from .base import Drafter
 from .frequency_trie import best_subtree, frequency_trie
 

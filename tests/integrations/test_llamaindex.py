@@ -25,7 +25,7 @@ from llama_index.vector_stores.faiss import FaissVectorStore
 from pydantic import Field, ValidationError
 
 from rag_speculate import Drafter, DraftTree, SpeculativeEngine
-from rag_speculate.corpus import packaged_embedding_path
+from rag_speculate.retrieval.corpus import packaged_embedding_path
 
 from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, MODEL
 

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from .errors import InvalidArgumentError, RagSpeculateError
-from .files import fsync_dir, replace_dir, sha256_file, sibling, write_new_file
+from ..errors import InvalidArgumentError, RagSpeculateError
+from ..files import fsync_dir, replace_dir, sha256_file, sibling, write_new_file
 
 FORMAT_VERSION = 1
 _FORMAT = "rag-speculate-datastore"

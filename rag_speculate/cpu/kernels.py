@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .cpu_attention import small_attention
-from .cpu_linear import linear_kernel_for
+from .attention import small_attention
+from .linear import linear_kernel_for
 
 
 class FastKernels(TorchFunctionMode):

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .files import sibling
+from ..files import sibling
 
 # -ffp-contract=off: the kernels' sums keep the order written, whatever the compiler fuses.
 BASE_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -24,7 +24,7 @@ def compile_kernel(source_path: Path, flags: list[str], stem: str, what: str) ->
         return None, f"no C compiler (cc, gcc or $CC) to build {what}"
     source = source_path.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
-    from .models import cache_dir  # models imports transformers' loaders; only needed here
+    from ..models.packaged import cache_dir  # models imports transformers' loaders; only needed here
 
     library = cache_dir() / "kernels" / f"{stem}-{digest}.so"
     if not library.exists():

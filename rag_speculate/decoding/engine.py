@@ -5,6 +5,7 @@ The whole decode loop is `_run`; everything it calls is small and lives beside i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -19,14 +20,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .budget import CostModel, best_prefix
-from .cpu_linear import fast_linear_works
-from .drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
-from .errors import InvalidArgumentError, RagSpeculateError
+from ..drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
+from ..errors import InvalidArgumentError, RagSpeculateError
 from .output import OutputTracker, eos_token_ids
 from .result import GenerationResult, GenerationStats, GenerationStream
 from .sampling import SamplingParams, sample_token
 from .tree import DraftTree
-from .verify import Verifier, make_cache, sliding_window
+from .forward import TreeForward, kernel_context
+from .kv_cache import make_cache, sliding_window
+from .verify import verify
 
 Prompt = str | Sequence[int] | Sequence[dict]
 Document = str | Sequence[int]
@@ -65,8 +67,8 @@ class SpeculativeEngine:
         fast_kernels: bool | None = None,
     ):
         """`fast_kernels`: decoding and verification forwards through faster CPU kernels
-        (fast_kernels.py: linear layers, and bf16 attention); None uses them where the linear
-        kernels work (fp32 on CPU, bf16 with AVX512-BF16), True requires them, False keeps torch's."""
+        (`rag_speculate.cpu`: linear layers, and bf16 attention); None uses them where they work
+        (fp32 on CPU, bf16 with AVX512-BF16), True requires them, False keeps torch's."""
         if draft_budget is not None and draft_budget < 0:
             raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget}")
         self.model = model.eval()
@@ -79,9 +81,10 @@ class SpeculativeEngine:
         self.drafter.attach(tokenizer, self.vocab_size)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.fast_kernels = _use_fast_kernels(model, fast_kernels)
-        self._verifier = Verifier(model, fast_kernels=self.fast_kernels)
-        self.tree_attention, reason = self._verifier.supports_tree_attention()
+        context = kernel_context(model, fast_kernels)
+        self.fast_kernels = context is not None
+        self._forward = TreeForward(model, context=context or contextlib.nullcontext)
+        self.tree_attention, reason = self._forward.supports_tree_attention()
         if not self.tree_attention:
             warnings.warn(
                 f"{type(model).__name__} cannot verify a draft tree with a custom 4D attention mask ({reason}); "
@@ -113,7 +116,7 @@ class SpeculativeEngine:
 
         `dtype=None` picks bf16 where the hardware computes in it, else fp32 (`loading.default_dtype`).
         """
-        from .loading import load_model
+        from ..models.loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress)
         return cls(model, tokenizer, drafter, draft_budget=draft_budget, name=name_or_path)
@@ -169,7 +172,7 @@ class SpeculativeEngine:
             stats.draft_setup_s = time.perf_counter() - setup_started
 
             prefill_started = time.perf_counter()
-            first = sample_token(self._verifier.prefill(cache, request.prompt_ids), params, generator)
+            first = sample_token(self._forward.prefill(cache, request.prompt_ids), params, generator)
             stats.prefill_s = time.perf_counter() - prefill_started
             stats.target_forwards = 1
             stats.time_to_first_token_s = time.perf_counter() - started
@@ -189,7 +192,7 @@ class SpeculativeEngine:
                 stats.drafting_s += time.perf_counter() - draft_started
 
                 forward_started = time.perf_counter()
-                verification = self._verifier.step(cache, tokens[-1], tree, params, generator, tree_mode)
+                verification = verify(self._forward, cache, tokens[-1], tree, params, generator, tree_mode)
                 fed = len(verification.tree) + 1
                 costs.observe(fed, time.perf_counter() - forward_started)
                 stats.target_forwards += 1
@@ -224,7 +227,7 @@ class SpeculativeEngine:
 
     def _cost_model(self, tree_mode: bool) -> CostModel:
         if self.cost_model is None:
-            self.cost_model = CostModel.measure(self._verifier.timed_forward(tree_mode), self.draft_budget + 1)
+            self.cost_model = CostModel.measure(self._forward.timed(tree_mode), self.draft_budget + 1)
         return self.cost_model
 
     def _tree_mode(self, cache, request: _Request) -> bool:
@@ -320,15 +323,6 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
     if isinstance(drafter, Sequence) and not isinstance(drafter, str):
         return drafter[0] if len(drafter) == 1 and isinstance(drafter[0], Drafter) else CombinedDrafter(drafter)
     raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
-
-
-def _use_fast_kernels(model: PreTrainedModel, wanted: bool | None) -> bool:
-    if wanted is False:
-        return False
-    works, reason = fast_linear_works(model)
-    if wanted and not works:
-        raise InvalidArgumentError(f"fast_kernels=True, but {reason}")
-    return works
 
 
 def _sampling_params(temperature: float, top_p: float, top_k: int) -> SamplingParams:

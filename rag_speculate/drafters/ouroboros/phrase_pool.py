@@ -20,9 +20,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ..datastore import tokenizer_fingerprint
-from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import atomic_write_bytes
+from ...retrieval.datastore import tokenizer_fingerprint
+from ...errors import InvalidArgumentError, RagSpeculateError
+from ...files import atomic_write_bytes
 
 Phrase = tuple[int, ...]
 

@@ -35,22 +35,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .native_build import BASE_FLAGS, compile_kernel
+from . import cpu_flags
+from .build import BASE_FLAGS, compile_kernel
 
 _SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, sections 1.2 and 1.4)
 _ONEDNN_MIN_ROWS, _ONEDNN_MAX_ROWS = 2, 64
-_SOURCE = Path(__file__).with_name("kernels") / "small_linear.c"
+_SOURCE = Path(__file__).with_name("small_linear.c")
 # AVX-512 where torch found it (more registers: larger tiles, section 1.4), else AVX2.
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 _BF16_FLAGS = ["-mavx512bf16", "-DSMALL_LINEAR_BF16"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (none elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

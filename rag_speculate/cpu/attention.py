@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from .native_build import BASE_FLAGS, compile_kernel
+from .build import BASE_FLAGS, compile_kernel
 
 # Decoding and verifying drafts; longer prefills keep torch's kernel. Up to the linear kernel's 48
 # rows, so every row of a bf16 verification forward is computed as plain decoding computes it.
 MAX_ROWS = 48
-_SOURCE = Path(__file__).with_name("kernels") / "small_attention.c"
+_SOURCE = Path(__file__).with_name("small_attention.c")
 
 
 @functools.cache

@@ -20,19 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .tree import ROOT
-from .verify import Verification
 
 # q = draft nodes + 1 (the last accepted token is always fed); powers of two cover the curve's shape.
 PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)
 _COST_MEMORY = 0.8  # weight of the old estimate when a verification forward is timed
-# Prior agreement rate by the length of the context match a draft came from (capped at 4), for
-# documents retrieved for this very request: optimistic enough to try drafts from 2+ token
-# matches, not from a single common token. A drafter whose matches are weaker evidence passes its own.
-DOCUMENT_MATCH_PRIORS = {1: 0.55, 2: 0.7, 3: 0.8, 4: 0.9}
-# Per verification: old evidence fades, so drafting that starts failing is dropped within a few steps, and
-# drafting that was dropped is tried again once the evidence against it has faded to the prior.
-_AGREEMENT_MEMORY = 0.95
 
 
 class CostModel:
@@ -86,60 +77,6 @@ class CostModel:
             shares = {i - 1: (above - q) / (above - below), i: (q - below) / (above - below)}
         for j, share in shares.items():
             self._seconds[j] *= 1 + (1 - _COST_MEMORY) * share * (ratio - 1)
-
-
-class AgreementRate:
-    """How often the target agrees with the draft's next token: a node at depth d is accepted with
-    about its drafter's estimate times rate**d. Counted from real verifications, with a prior."""
-
-    def __init__(self, prior: float = 0.75, prior_weight: float = 4.0):
-        self._prior_agreed = prior * prior_weight
-        self._prior_trials = prior_weight
-        self._agreed = 0.0
-        self._trials = 0.0
-
-    @property
-    def rate(self) -> float:
-        return (self._agreed + self._prior_agreed) / (self._trials + self._prior_trials)
-
-    def observe(self, agreed: int, trials: int) -> None:
-        self._agreed = _AGREEMENT_MEMORY * self._agreed + agreed
-        self._trials = _AGREEMENT_MEMORY * self._trials + trials
-
-
-def agreement_trials(verification: Verification) -> tuple[int, int]:
-    """(agreed, trials) of one verification: each accepted draft token agreed; the walk's end was
-    a disagreement only if the draft offered a continuation there."""
-    accepted = verification.accepted_nodes
-    last = accepted[-1] if accepted else ROOT
-    rejected = any(parent == last for parent in verification.tree.parents)
-    return len(accepted), len(accepted) + rejected
-
-
-class MatchAgreement:
-    """Agreement rates of a retrieval drafter, one per context-match length; `rate` before a
-    proposal, `observe` with its verification. `priors` maps match lengths 1..n to prior rates;
-    longer matches share the last."""
-
-    def __init__(self, priors: dict[int, float] = DOCUMENT_MATCH_PRIORS) -> None:
-        self._priors = priors
-        self._rates: dict[int, AgreementRate] = {}
-        self._pending: int | None = None
-
-    def rate(self, match_length: int) -> float:
-        key = min(match_length, max(self._priors))
-        if key not in self._rates:
-            self._rates[key] = AgreementRate(prior=self._priors[key])
-        # Evidence fades with every step, drafted or not, so a match length whose drafts stopped
-        # paying is tried again later in the generation.
-        self._rates[key].observe(0, 0)
-        self._pending = key
-        return self._rates[key].rate
-
-    def observe(self, verification: Verification) -> None:
-        if self._pending is not None and len(verification.tree):
-            self._rates[self._pending].observe(*agreement_trials(verification))
-        self._pending = None
 
 
 def best_prefix(scores: list[float], cost: CostModel) -> int:

@@ -8,12 +8,13 @@ depths and ancestor sets.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .errors import RagSpeculateError
+from ..errors import RagSpeculateError
 
 ROOT = -1
 
@@ -79,25 +80,52 @@ class DraftTree:
                 break
             if d <= max_depth and p in keep:
                 keep[i] = len(keep) - 1
-        return self._subset([i for i in keep if i != ROOT], [keep[self.parents[i]] for i in keep if i != ROOT])
+        return self.subset([i for i in keep if i != ROOT])
 
     def best_first(self) -> DraftTree:
         """The same tree, nodes listed by descending score (the order `truncated` and the engine's
-        budget read); a node never outscores its parent, and ties keep parents first."""
+        budget read). A node's score is capped at its parent's, so every prefix of the list is a
+        tree; ties keep the given order, which lists parents first."""
         if not self.scores:
             return self
-        depths = self.depths()
-        order = sorted(range(len(self)), key=lambda i: (-self.scores[i], depths[i], i))
-        position = {ROOT: ROOT} | {old: new for new, old in enumerate(order)}
-        return self._subset(order, [position[self.parents[i]] for i in order])
+        capped: list[float] = []
+        for score, p in zip(self.scores, self.parents):
+            capped.append(score if p == ROOT else min(score, capped[p]))
+        order = sorted(range(len(self)), key=lambda i: (-capped[i], i))
+        return dataclasses.replace(self, scores=capped).subset(order)
 
-    def _subset(self, nodes: list[int], parents: list[int]) -> DraftTree:
+    def subset(self, nodes: list[int]) -> DraftTree:
+        """The given nodes, in that order; each one's parent must be among them, earlier (or the root)."""
+        position = {ROOT: ROOT} | {old: new for new, old in enumerate(nodes)}
         return DraftTree(
             [self.tokens[i] for i in nodes],
-            parents,
+            [position[self.parents[i]] for i in nodes],
             [self.sources[i] for i in nodes] if self.sources else [],
             [self.scores[i] for i in nodes] if self.scores else [],
         )
+
+    def graft(self, other: DraftTree, at: int = ROOT) -> DraftTree:
+        """`other` hung below node `at` (ROOT: beside this tree's own top nodes), after this tree's
+        nodes, so between equal siblings this tree's win. Sources and scores are kept where both
+        trees have them."""
+        if not other.tokens:
+            return self
+        if not self.tokens and at == ROOT:
+            return other
+        offset = len(self)
+        parents = self.parents + [at if p == ROOT else p + offset for p in other.parents]
+
+        def joined(mine: list, theirs: list) -> list:
+            return mine + theirs if mine and theirs else []
+
+        return DraftTree(self.tokens + other.tokens, parents, joined(self.sources, other.sources), joined(self.scores, other.scores))
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each node's tokens from the root down to it: equal paths are the same draft, whatever tree holds them."""
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(self.tokens, self.parents):
+            paths.append((*(paths[parent] if parent != ROOT else ()), token))
+        return paths
 
     def longest_branch(self) -> DraftTree:
         """The deepest root-to-leaf path, for models that can only verify a single chain."""
@@ -110,7 +138,7 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         path.reverse()
-        return self._subset(path, list(range(-1, len(path) - 1)))
+        return self.subset(path)
 
 
 def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

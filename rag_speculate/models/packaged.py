@@ -45,8 +45,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .errors import InvalidArgumentError, ModelPackageError
-from .files import atomic_write_bytes, fsync_dir, sha256_file, sibling, write_new_file
+from ..errors import InvalidArgumentError, ModelPackageError
+from ..files import atomic_write_bytes, fsync_dir, sha256_file, sibling, write_new_file
 
 __all__ = [
     "PACKAGED_MODELS",

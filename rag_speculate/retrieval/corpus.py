@@ -36,8 +36,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .datastore import Datastore, DatastoreError, tokenizer_fingerprint
-from .errors import InvalidArgumentError, RagSpeculateError
-from .files import fsync_dir, replace_dir, sha256_file, sibling, write_new_file
+from ..errors import InvalidArgumentError, RagSpeculateError
+from ..files import fsync_dir, replace_dir, sha256_file, sibling, write_new_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -1,61 +1,14 @@
-"""Loading a target model and its tokenizer from any of the names users have for it."""
+"""Int8 draft models: linear layers computing in int8, for a draft model on a CPU."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
-from . import models
-from .cpu_linear import cpu_flags
-from .errors import InvalidArgumentError
-
-
-def default_dtype(device: str = "cpu") -> torch.dtype:
-    """bf16 where the hardware computes in it (GPUs, CPUs with AVX512-BF16 or AMX), else fp32.
-
-    On an AVX2-only CPU bf16 matrix products are emulated and cost grows with every token fed:
-    measured on this project's 2-core machine, a 1000-token prefill of the 1.5B target takes
-    195 s in bf16 against 41 s in fp32, and a forward over 17 tokens 10x one over a single token
-    against 2.8x in fp32. Only single-token decoding is faster in bf16 (243 ms against 393 ms).
-    """
-    if torch.device(device).type != "cpu":
-        return torch.bfloat16
-    flags = cpu_flags()
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
-
-
-def load_model(
-    name_or_path: str,
-    *,
-    dtype: torch.dtype | None = None,
-    device: str = "cpu",
-    progress: Callable[[str], None] | None = None,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A packaged model name, a `.gguf` file, a local folder or a Hugging Face model id."""
-    dtype = dtype or default_dtype(device)
-    if models.is_packaged_model(name_or_path):
-        return models.load_packaged_model(name_or_path, dtype=dtype, device=device, progress=progress)
-    path = Path(name_or_path)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {path}")
-        source, extra = str(path.parent), {"gguf_file": path.name}
-    elif path.exists() or "/" in name_or_path:
-        source, extra = name_or_path, {}
-    else:
-        raise InvalidArgumentError(
-            f"unknown model {name_or_path!r}: not a packaged model ({', '.join(models.packaged_model_names())}), "
-            "a .gguf file, a local folder, nor a Hugging Face id like 'org/name'"
-        )
-    if progress:
-        progress(f"loading {name_or_path}")
-    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
-    return model, tokenizer
+from ..cpu import cpu_flags
+from ..errors import InvalidArgumentError
 
 
 def int8_draft_model(model: PreTrainedModel) -> PreTrainedModel:

@@ -25,7 +25,7 @@ class Question:
 
 @cache
 def _rows() -> tuple[dict, ...]:
-    with resources.files("rag_speculate.data").joinpath(_FILE).open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
+    with resources.files("rag_speculate.retrieval.data").joinpath(_FILE).open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
         return tuple(json.loads(line) for line in lines)
 
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from .loading import Int8Linear
-from .tree import DraftTree, tree_attention_mask
-from .verify import cache_keyword, sliding_window
+from .int8 import Int8Linear
+from ..decoding.tree import DraftTree, tree_attention_mask
+from ..decoding.kv_cache import cache_keyword, sliding_window
 
 # Of the largest logit, in float32: rounding differences only (a bf16 model rounds more).
 _PROBE_TOLERANCE = 1e-3
@@ -32,7 +32,7 @@ _PROBE_TOLERANCE = 1e-3
 
 class LeanForward:
     """Logits of a Llama-family decoder (Llama, Qwen2, Mistral without sliding windows), computed
-    from its own modules; takes the arguments `Verifier` gives a model's forward, the KV cache as `cache`."""
+    from its own modules; takes the arguments `TreeForward` gives a model's forward, the KV cache as `cache`."""
 
     def __init__(self, model: PreTrainedModel):
         inner = model.model

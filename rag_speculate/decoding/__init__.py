@@ -1,0 +1,1 @@
+"""Decoding: the engine's loop, the draft tree, its verification in one forward, and what they return."""

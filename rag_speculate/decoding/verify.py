@@ -1,0 +1,70 @@
+"""Verifying a draft tree with ONE forward of an unmodified Hugging Face model, losslessly.
+
+The forward (forward.py) feeds [root, *draft] in tree or chain mode; the cache then keeps only the
+accepted path's KV entries (gathered in place, never recomputed).
+
+Acceptance walks down from the root: at each node the target picks a token (argmax, or a sample
+of its warped distribution); if a child carries that token we descend, otherwise that token is
+the bonus and we stop. Every emitted token is therefore exactly the target's own choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .forward import TreeForward
+from .kv_cache import keep_cache_entries
+from .sampling import SamplingParams, sample_token
+from .tree import ROOT, DraftTree
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What one verification step found; drafters learn from it."""
+
+    tree: DraftTree
+    accepted_nodes: list[int]
+    # The accepted draft tokens followed by the target's own next token (the bonus).
+    accepted_tokens: list[int]
+    # The target's greedy choice after the root (index 0) and after each draft node (index i + 1),
+    # including nodes that were rejected: drafters use them to refine their candidates.
+    target_tokens: list[int]
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verification:
+    """Walk the tree, following a child only when it carries the target's own choice."""
+    target_tokens = logits.argmax(dim=-1).tolist()
+    children = tree.children()
+    node, path = ROOT, []
+    while True:
+        row = node + 1
+        choice = target_tokens[row] if params.greedy else sample_token(logits[row], params, generator)
+        child = children.get(node, {}).get(choice)
+        if child is None:
+            return Verification(tree, path, [tree.tokens[i] for i in path] + [choice], target_tokens)
+        path.append(child)
+        node = child
+
+
+@torch.inference_mode()
+def verify(
+    forward: TreeForward,
+    cache: DynamicCache,
+    root: int,
+    tree: DraftTree,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    tree_mode: bool,
+) -> Verification:
+    """Verify `tree` after `root`, leave the cache holding root + accepted path, return the result."""
+    if not tree_mode:
+        tree = tree.longest_branch()
+    # Without a draft, plain decoding's own forward (no custom mask to build and apply) is the cheapest.
+    chain = not tree_mode or not tree.tokens
+    logits = (forward.chain if chain else forward.tree)(cache, root, tree)
+    result = accept(tree, logits, params, generator)
+    keep_cache_entries(cache, len(tree) + 1, [0] + [i + 1 for i in result.accepted_nodes])
+    return result
