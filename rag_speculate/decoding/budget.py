@@ -1,8 +1,7 @@
 """How many draft nodes to verify: as many as pay for their cost, measured on this device.
 
 A forward over q tokens costs c(q). On a GPU c is flat for small q, so drafting more is nearly
-free; on a CPU it is not (this project's 2-core AVX2 machine: in bf16 c(8) is 5.3 c(1), in fp32
-2.6 c(1)). The engine therefore keeps the best-first prefix of the drafter's tree that maximises
+free; on a CPU it is not, and less so in bf16 than in fp32. The engine therefore keeps the best-first prefix of the drafter's tree that maximises
 expected tokens per second, (1 + sum of acceptance estimates) / c(q), and verifies nothing at all
 when no prefix beats plain decoding. The costs are timed once at start and then follow the real
 verification forwards. A node's acceptance estimate comes from its drafter: for the retrieval
@@ -19,7 +18,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
 
 # q = draft nodes + 1 (the last accepted token is always fed); powers of two cover the curve's shape.
 PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)

@@ -34,10 +34,8 @@ Prompt = str | Sequence[int] | Sequence[dict]
 Document = str | Sequence[int]
 
 # The most draft nodes one forward may verify; each step verifies only the best-first prefix of
-# the draft that pays for its measured cost (budget.py). On the 2-core AVX2 CPU this project is
-# measured on, a forward over 17 tokens costs 3.4x one over 1 in fp32 (through the fast linear
-# kernels of cpu_linear.py, whose single step is 1.5x cheaper than torch's) and 10x in bf16
-# (docs/benchmarks.md), so more than 16 rarely pays.
+# the draft that pays for its measured cost (budget.py). On a CPU a forward's cost grows with every
+# token fed, so more than 16 rarely pays; on a GPU a larger budget costs little more.
 DEFAULT_DRAFT_BUDGET = 16
 _DOCUMENT_CACHE_SIZE = 1024
 
@@ -186,7 +184,8 @@ class SpeculativeEngine:
                 draft_started = time.perf_counter()
                 # A draft longer than the tokens left could only be cut: don't pay to draft it.
                 budget = min(self.draft_budget, request.max_new_tokens - len(output.token_ids) - 1)
-                tree = self._checked(self.drafter.propose(tokens, budget)).truncated(budget)
+                # Best first, so every prefix is a tree and the budget keeps the likeliest nodes.
+                tree = self._checked(self.drafter.propose(tokens, budget)).best_first().truncated(budget)
                 if tree.scores:
                     tree = tree.truncated(best_prefix(tree.scores, costs))
                 stats.drafting_s += time.perf_counter() - draft_started

@@ -25,8 +25,8 @@ class DraftTree:
     parents: list[int]
     # Which drafter proposed each node, so acceptance can be credited per source.
     sources: list[str] = field(default_factory=list)
-    # The drafter's estimate that the target accepts each node (its whole path), listed best
-    # first; the engine uses it to verify only as many nodes as pay for their cost.
+    # The drafter's estimate that the target accepts each node (its whole path): the engine lists
+    # the nodes best first by it and verifies only as many as pay for their cost.
     scores: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -20,13 +20,10 @@ from .base import Drafter
 from .frequency_trie import best_subtree, frequency_trie
 
 # A match in a whole corpus is weaker evidence than one in documents retrieved for this request:
-# replaying the greedy answers of docs/benchmarks.md section 4.0 against the NQ datastore
-# (benchmarks/rest_agreement.py), the most frequent continuation's first token was the target's
-# at 15% of 1-token matches, 14% of 2-token, 26% of 3-token and 22% of longer ones (399
-# positions). The priors stay above that where the match is long: only verified drafts teach the
-# rates, and a datastore that does predict the model (the paper's) must get those trials; a lone
-# draft token pays for its forward here from an estimate of about 0.45 (section 1.1: a forward over
-# 2 tokens costs 1.45 single steps).
+# replaying greedy answers against a corpus datastore (benchmarks/rest_agreement.py), the most
+# frequent continuation's first token is the target's far less often than for retrieved documents.
+# The priors stay above what that replay finds where the match is long: only verified drafts teach
+# the rates, and a datastore that does predict the model (the paper's) must get those trials.
 REST_MATCH_PRIORS = {1: 0.25, 2: 0.35, 3: 0.5, 4: 0.6}
 
 
