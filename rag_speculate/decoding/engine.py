@@ -12,7 +12,6 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,9 @@ from .budget import CostModel, best_prefix
 from ..drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
 from ..errors import InvalidArgumentError, RagSpeculateError
 from .output import OutputTracker, eos_token_ids
-from .result import GenerationResult, GenerationStats, GenerationStream
-from .sampling import SamplingParams, sample_token
+from .result import GenerationResult, GenerationStats, GenerationStream, run_to_end
+from .request import Request, check_int, check_messages, check_not_bytes, check_seed, check_text, sampling_params, stop_strings
+from .sampling import sample_token
 from .tree import DraftTree
 from .forward import TreeForward, kernel_context
 from .kv_cache import make_cache, sliding_window
@@ -38,16 +38,6 @@ Document = str | Sequence[int]
 # token fed, so more than 16 rarely pays; on a GPU a larger budget costs little more.
 DEFAULT_DRAFT_BUDGET = 16
 _DOCUMENT_CACHE_SIZE = 1024
-
-
-@dataclass(frozen=True)
-class _Request:
-    prompt_ids: list[int]
-    document_ids: list[list[int]]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    seed: int | None
 
 
 class SpeculativeEngine:
@@ -119,14 +109,21 @@ class SpeculativeEngine:
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress)
         return cls(model, tokenizer, drafter, draft_budget=draft_budget, name=name_or_path)
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
-        """Generate a completion. Arguments as in `stream`."""
-        stream = self.stream(prompt, **kwargs)
-        for _ in stream:
-            pass
-        return stream.result
+    def generate(self, prompt: Prompt, **options: Any) -> GenerationResult:
+        """Generate a completion, on the calling thread. Options as in `prepare`."""
+        return run_to_end(self._run(self.prepare(prompt, **options)))
 
-    def stream(
+    def stream(self, prompt: Prompt, **options: Any) -> GenerationStream:
+        """Text deltas as tokens are accepted; the stream's `result` holds the GenerationResult.
+        Options as in `prepare`, every one checked now rather than at the first delta.
+
+        The generation runs on a worker thread to its end unless the stream is closed (or dropped):
+        a caller that stops reading never holds the engine, whatever thread comes next.
+        """
+        request = self.prepare(prompt, **options)
+        return GenerationStream(lambda cancelled: self._run(request, cancelled))
+
+    def prepare(
         self,
         prompt: Prompt,
         *,
@@ -138,24 +135,26 @@ class SpeculativeEngine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         chat: bool = False,
-    ) -> GenerationStream:
-        """Yield text deltas as tokens are accepted; the stream's `result` holds the GenerationResult.
+    ) -> Request:
+        """A generation's arguments, checked and tokenized; a bad one raises `InvalidArgumentError` naming it.
 
-        `prompt` is text, token ids, or (with `chat=True`) a list of {"role", "content"} messages;
-        `documents` (text or token ids) feed the drafters only, never the prompt.
+        `prompt` is text, token ids, or (with `chat=True`) a list of {"role", "content"} messages
+        (roles system, user, assistant, tool; the last turn a user's or a tool's); `documents`
+        (text or token ids) feed the drafters only, never the prompt. `temperature=0` is greedy;
+        `seed` makes sampling repeatable.
         """
-        request = _Request(
+        request = Request(
             prompt_ids=self.encode_prompt(prompt, chat=chat),
             document_ids=self._document_ids(documents),
-            max_new_tokens=max_new_tokens,
-            sampling=_sampling_params(temperature, top_p, top_k),
-            stop=_stop_strings(stop),
-            seed=seed,
+            max_new_tokens=check_int(max_new_tokens, "max_new_tokens", 1),
+            sampling=sampling_params(temperature, top_p, top_k),
+            stop=stop_strings(stop),
+            seed=check_seed(seed),
         )
         self._check_lengths(request)
-        return GenerationStream(self._run(request))
+        return request
 
-    def _run(self, request: _Request) -> Generator[str, None, GenerationResult]:
+    def _run(self, request: Request, cancelled: threading.Event | None = None) -> Generator[str, None, GenerationResult]:
         with self._lock:
             stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
             started = time.perf_counter()
@@ -180,7 +179,8 @@ class SpeculativeEngine:
             yield output.delta()
 
             decode_started = time.perf_counter()
-            while not output.done:
+            # A closed stream stops at the next step, which frees the engine for the next caller.
+            while not output.done and not (cancelled is not None and cancelled.is_set()):
                 draft_started = time.perf_counter()
                 # A draft longer than the tokens left could only be cut: don't pay to draft it.
                 budget = min(self.draft_budget, request.max_new_tokens - len(output.token_ids) - 1)
@@ -212,7 +212,7 @@ class SpeculativeEngine:
             delta = output.delta()
             if delta:
                 yield delta
-            return GenerationResult(output.text, output.token_ids, output.finish_reason or "length", stats)
+            return GenerationResult(output.text, output.token_ids, output.finish_reason or "cancelled", stats)
 
     # --- helpers of the decode loop -------------------------------------------------------
 
@@ -229,7 +229,7 @@ class SpeculativeEngine:
             self.cost_model = CostModel.measure(self._forward.timed(tree_mode), self.draft_budget + 1)
         return self.cost_model
 
-    def _tree_mode(self, cache, request: _Request) -> bool:
+    def _tree_mode(self, cache, request: Request) -> bool:
         """Tree verification, unless the model cannot, or a sliding window would outgrow its past."""
         window = sliding_window(cache)
         longest = len(request.prompt_ids) + request.max_new_tokens + self.draft_budget
@@ -244,9 +244,11 @@ class SpeculativeEngine:
 
     def encode_prompt(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """The token ids `generate` would use for this prompt."""
+        check_not_bytes(prompt, "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError("prompt is empty")
+            check_text(prompt, "prompt")
             if chat:
                 return self._chat_ids([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
@@ -259,9 +261,7 @@ class SpeculativeEngine:
         return self._token_ids(prompt, "prompt")
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
-        for m in messages:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidArgumentError(f"each chat message needs string 'role' and 'content', got {m!r}")
+        check_messages(messages)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -275,12 +275,13 @@ class SpeculativeEngine:
     def _document_ids(self, documents: Sequence[Document] | None) -> list[list[int]]:
         if documents is None:
             return []
-        if isinstance(documents, str) or not isinstance(documents, Sequence):
+        if isinstance(documents, (str, bytes, bytearray)) or not isinstance(documents, Sequence):
             raise InvalidArgumentError("documents must be a list of documents (strings or lists of token ids)")
         out = []
         for i, doc in enumerate(documents):
+            check_not_bytes(doc, f"documents[{i}]")
             if isinstance(doc, str):
-                out.append(self._tokenize_document(doc))
+                out.append(self._tokenize_document(check_text(doc, f"documents[{i}]")))
             elif isinstance(doc, Sequence):
                 out.append(self._token_ids(doc, f"documents[{i}]"))
             else:
@@ -302,9 +303,7 @@ class SpeculativeEngine:
                 self._documents.popitem(last=False)
         return ids
 
-    def _check_lengths(self, request: _Request) -> None:
-        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+    def _check_lengths(self, request: Request) -> None:
         total = len(request.prompt_ids) + request.max_new_tokens
         if self.max_positions is not None and total > self.max_positions:
             raise InvalidArgumentError(
@@ -322,26 +321,6 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
     if isinstance(drafter, Sequence) and not isinstance(drafter, str):
         return drafter[0] if len(drafter) == 1 and isinstance(drafter[0], Drafter) else CombinedDrafter(drafter)
     raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
-
-
-def _sampling_params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
-    if not temperature >= 0:
-        raise InvalidArgumentError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    return SamplingParams(float(temperature), float(top_p), top_k)
-
-
-def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {s!r}")
-    return stops
 
 
 def _count_sources(stats: GenerationStats, tree: DraftTree, accepted: list[int], default: str) -> None:

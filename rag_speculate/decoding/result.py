@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator, Iterator
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass, field
 
 
@@ -56,27 +59,65 @@ class GenerationResult:
 
 
 class GenerationStream(Iterator[str]):
-    """Text deltas as tokens are accepted; `result` once the iteration has finished."""
+    """Text deltas as tokens are accepted; `result` once the iteration has finished.
 
-    def __init__(self, steps: Generator[str, None, GenerationResult]):
-        self._steps = steps
+    The generation runs on a worker thread of its own and hands its deltas over through a queue (at
+    most `max_new_tokens` of them), so it never waits on the reader: a stream read slowly, from
+    another thread, or not at all, still finishes and frees the engine for the next caller. `close()`,
+    or dropping the stream, stops the generation at its next step.
+    """
+
+    def __init__(self, run: Callable[[threading.Event], Generator[str, None, GenerationResult]]):
+        """`run(cancelled)`: the generation's steps, which stop once `cancelled` is set."""
+        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
         self._result: GenerationResult | None = None
+        self._finished = False
+        # The worker holds the queue and the event, never the stream, so dropping it is seen here.
+        weakref.finalize(self, self._cancelled.set)
+        worker = threading.Thread(target=_produce, args=(run(self._cancelled), self._deltas), name="rag-speculate-stream", daemon=True)
+        worker.start()
 
     def __next__(self) -> str:
-        if self._result is not None:
+        if self._finished:
             raise StopIteration
-        try:
-            return next(self._steps)
-        except StopIteration as finished:
-            self._result = finished.value
-            raise
+        kind, value = self._deltas.get()
+        if kind is _DELTA:
+            return value
+        self._finished = True
+        if kind is _ERROR:
+            raise value
+        self._result = value
+        raise StopIteration
 
     def close(self) -> None:
-        """Stop generating early (frees the engine for the next caller)."""
-        self._steps.close()
+        """Stop generating early: the engine is free for the next caller after the current step."""
+        self._cancelled.set()
 
     @property
     def result(self) -> GenerationResult:
         if self._result is None:
             raise RuntimeError("the stream has not finished: iterate it to the end first")
         return self._result
+
+
+_DELTA, _DONE, _ERROR = object(), object(), object()
+
+
+def _produce(steps: Generator[str, None, GenerationResult], deltas: queue.SimpleQueue) -> None:
+    try:
+        while True:
+            deltas.put((_DELTA, next(steps)))
+    except StopIteration as finished:
+        deltas.put((_DONE, finished.value))
+    except BaseException as error:  # noqa: BLE001 - handed to the reader, who raises it
+        deltas.put((_ERROR, error))
+
+
+def run_to_end(steps: Generator[str, None, GenerationResult]) -> GenerationResult:
+    """Run a generation's steps on this thread and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
