@@ -135,9 +135,8 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = _rag_engine(engine, index, args.draft_model)
     _progress("warming up")
     engine.generate([1, 2, 3], max_new_tokens=4)
-    # The first forward over a prompt this long pays one-off allocations (1-2.5 s of a 13 s
-    # prefill here, docs/benchmarks.md section 5), which would fall on whichever answer runs
-    # first: pay them on the model alone.
+    # The first forward over a prompt this long pays one-off allocations, which would fall on
+    # whichever answer runs first: pay them on the model alone.
     timed_generate(engine.model, engine.encode_prompt(rag_messages(question, index.search(question, args.top_k)), chat=True), 1)
 
     _progress("answering with speculative decoding")

@@ -12,7 +12,7 @@ import torch
 from .decoding.engine import SpeculativeEngine
 from .decoding.result import GenerationResult, GenerationStats, GenerationStream
 
-# "auto": bf16 where the hardware computes in it, else fp32 (loading.default_dtype).
+# "auto": bf16 where the hardware computes in it, else fp32 (models.loading.default_dtype).
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Key under which a corpus index stores a chunk's token ids (from the target's tokenizer) in its
 # metadata, so the drafters get them without tokenizing the text again.

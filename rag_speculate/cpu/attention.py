@@ -1,15 +1,14 @@
-"""Attention of decoding and verification forwards of bf16 models, on CPUs (`kernels/small_attention.c`).
+"""Attention of decoding and verification forwards of bf16 models, on CPUs (`small_attention.c`).
 
 torch's CPU attention kernel (flash attention) is slow in bf16 for the few query rows of decoding,
-worst for one row without a mask, as in every step of plain decoding: on this project's 2-core
-machine, a layer of the 1.5B Qwen target (12 query heads over 2 key/value heads of 128 dims) took
-1.3 ms at 1,000 tokens of context (`benchmarks/attention_cost.py`, docs/benchmarks.md section 1.7).
+worst for one row without a mask, as in every step of plain decoding (`benchmarks/attention_cost.py`
+times it against the kernel here).
 
 The compiled kernel computes it in fp32 from the bf16 cache and rounds once to bf16. Each query
 row is computed on its own by the same sequence of operations over the entries it sees (masked
 ones add exactly 0 to every sum), so its result depends neither on the rows verified beside it nor on the masked
 entries between those it sees: with the linear kernel, which sums each row alike too
-(cpu_linear.py), a bf16 verification forward gives each accepted token the logits plain decoding
+(linear.py), a bf16 verification forward gives each accepted token the logits plain decoding
 through the same kernels gives it, and bf16 speculative output matches that decoding token for
 token (tests/test_cpu_attention.py). fp32 keeps torch's kernel, which is fast there and which the
 fp32 losslessness tests compare against.

@@ -2,9 +2,8 @@
 
 A mode reaches the linear layers and the attention of an unmodified transformers model, and only
 inside the forwards it wraps (the engine's, or a benchmark's baseline given the same kernels); the
-model and its weights are untouched. It costs every torch call of those forwards a Python dispatch,
-a few ms of a forward (the int8 0.5B draft's over one token took 6 ms more inside it,
-docs/benchmarks.md section 4.9), so only the forwards of models it serves run inside it.
+model and its weights are untouched. It costs every torch call of those forwards a Python
+dispatch, so only the forwards of models it serves run inside it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from .linear import linear_kernel_for
 
 class FastKernels(TorchFunctionMode):
     """Within this context, on CPU: `F.linear` over 1-64 rows of fp32 (1-48 of bf16) runs
-    cpu_linear's kernels, and bf16 attention over 1-48 query rows runs cpu_attention's."""
+    linear.py's kernels, and bf16 attention over 1-48 query rows runs attention.py's."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -1,28 +1,25 @@
 """Linear layers of decoding and verification forwards through faster kernels, on CPUs.
 
 Decoding multiplies 1 token's activations by every weight; verifying a draft, 2 to 17 tokens'.
-Both are bound by reading the weights, and on this project's 2-core AMD CPU torch's fp32 kernel
-(MKL) reads them poorly there: for the 1.5B target at 500 tokens of context, 1 token took 363 ms
-and 2 tokens 801 ms (docs/benchmarks.md, section 1.2). Two kernels do better, on the same weights
-in place (no copy, no repacking, the model untouched):
+Both are bound by reading the weights, and torch's fp32 kernel (MKL) reads them poorly for a few
+rows. Two kernels do better, on the same weights in place (no copy, no repacking, the model
+untouched):
 
-- `kernels/small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed, AVX-512
-  used where present): each weight row is read once and used against up to 48 rows. With AVX-512,
-  1 token 222 ms, 2: 217, 5: 262, 9: 349, against 236, 254, 327 and 426 with AVX2's tiles
-  (section 1.4).
+- `small_linear.c`, compiled here on first use (a C compiler and AVX2 + FMA needed, AVX-512 used
+  where present): each weight row is read once and used against up to 48 rows, in larger tiles
+  where AVX-512's registers allow.
 - oneDNN's inner product, which torch ships, for 49 to 64 rows (and from 2 rows where the kernel
-  above cannot be built; section 1.1: 2 tokens 500 ms, 9: 653, 17: 811).
-- In bf16, the same kernel built for AVX512-BF16 (where the CPU has it) for up to 48 rows: on the
-  1.5B target's MLP matrices torch's bf16 product reads 19-22 GB/s, this kernel 25-30, and a
-  forward over 1 token takes 129 ms instead of 207 (section 1.6).
+  above cannot be built).
+- In bf16, the same kernel built for AVX512-BF16 (where the CPU has it) for up to 48 rows: it
+  reads the weights faster than torch's bf16 product for a few rows.
 
 Prefills (more than 64 rows in fp32, 48 in bf16) keep torch's kernel. Any of these kernels rounds
-differently from torch's in the last bits (on the 1.5B target over 16 tokens: logits at most 3e-5
-from token-by-token decoding whichever kernel runs), the same rounding every speculative decoder's
+differently from torch's in the last bits, the same rounding every speculative decoder's
 multi-token verification already has; greedy output stays token-identical to `model.generate`
 (the fp32 tests compare exactly, the benchmarks report every output). In bf16 no speculative
-decoder matches torch's bf16 greedy decoding token for token (section 1.5); the bf16 kernel at
-least sums each row alike whatever rows are beside it, as torch's does not.
+decoder matches torch's bf16 greedy decoding token for token, as torch rounds a forward over
+several rows differently from one over a single row; the bf16 kernel sums each row alike whatever
+rows are beside it, as torch's does not.
 """
 
 from __future__ import annotations
@@ -38,10 +35,10 @@ import torch.nn.functional as F
 from . import cpu_flags
 from .build import BASE_FLAGS, compile_kernel
 
-_SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN (docs/benchmarks.md, sections 1.2 and 1.4)
+_SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN
 _ONEDNN_MIN_ROWS, _ONEDNN_MAX_ROWS = 2, 64
 _SOURCE = Path(__file__).with_name("small_linear.c")
-# AVX-512 where torch found it (more registers: larger tiles, section 1.4), else AVX2.
+# AVX-512 where torch found it (more registers: larger tiles), else AVX2.
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 _BF16_FLAGS = ["-mavx512bf16", "-DSMALL_LINEAR_BF16"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

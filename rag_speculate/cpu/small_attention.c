@@ -1,8 +1,7 @@
 /* Attention of a few bf16 query rows over a bf16 key/value cache, in fp32 (AVX-512F); OpenMP over
  * query heads x rows.
  *
- * torch's CPU attention kernel is slow in bf16 for the few query rows of decoding (a layer of the
- * 1.5B Qwen over 1,000 cached tokens: 1.3 ms for one row, docs/benchmarks.md section 1.7). Here
+ * torch's CPU attention kernel is slow in bf16 for the few query rows of decoding. Here
  * each query row is computed on its own, by a fixed sequence of operations over the entries it
  * sees: scores by 16-lane dot products, probabilities lane by lane (an entry's does not depend on
  * where it sits), their sum and the weighted sum of values accumulated entry after entry; masked

@@ -4,13 +4,12 @@
  * Decoding and verifying a draft multiply 1 to 24 rows by every weight matrix, so the product is
  * bound by reading the weights once from memory. Each weight row is read once, and used against
  * all rows of x while it is in registers; BLAS GEMMs pack the weights first (a second pass over
- * them), and on this project's AMD CPU MKL's GEMV takes 1.5x this kernel's time for a single row
- * (torch's bf16 product 1.6x, docs/benchmarks.md section 1.6).
+ * them), and MKL's GEMV and torch's bf16 product read them more slowly for a single row.
  *
  * A tile of W_ROWS weight rows x up to X_ROWS rows of x keeps its accumulators in registers and
  * shares each load of x between the weight rows. With AVX-512's 32 registers a tile of 8 x 3
  * (24 accumulators) reads 8 weight rows at once, which keeps more of memory's bandwidth busy than
- * AVX2's 2 x 6 on 16 registers: 1.2-1.5x faster for 1-24 rows here (docs/benchmarks.md, 1.4).
+ * AVX2's 2 x 6 on 16 registers.
  * Every output is summed in the same order whatever the number of rows, so a token's logits do
  * not depend on how many others were verified beside it. bf16 sums pairs of products in fp32
  * (vdpbf16ps) and rounds each output once, to the nearest even, as torch's bf16 product does.
