@@ -2,7 +2,7 @@
 
 Decoding attends 1 query row to the cache, verification 2-17 rows under a draft tree's mask; this
 times `F.scaled_dot_product_attention` as transformers calls it (grouped key/value heads, a mask
-from 2 rows on) against `rag_speculate.cpu_attention.small_attention`, calls interleaved so machine
+from 2 rows on) against `small_attention` (rag_speculate/cpu/attention.py), calls interleaved so machine
 noise hits both alike, each round over the keys and values of `--layers`
 layers, and reports each one's largest error against fp64 attention of the same
 inputs. Defaults: the 1.5B Qwen's heads (12 query heads over 2 key/value heads of 128 dims).

@@ -160,7 +160,7 @@ def trace(combined: CombinedDrafter) -> list[str]:
         tree = propose(tokens, budget)
         ledger = combined._ledgers[OuroborosDrafter.name]
         sizes = {n: len(p.tree) for n, p in combined._proposals.items()}
-        calibrations = {n: round(l.calibration, 2) for n, l in combined._ledgers.items()}
+        calibrations = {n: round(l.calibration.rate, 2) for n, l in combined._ledgers.items()}
         steps.append(f"proposed {sizes} | calibration {calibrations} | ouroboros ledger: samples {ledger.samples}, "
                      f"with {ledger.with_tokens:.2f}, without {ledger.without_tokens:.2f}, own {ledger.own_tokens:.2f}, "
                      f"{ledger.propose_s * 1000:.0f} ms")

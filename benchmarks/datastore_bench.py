@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the random corpora")
     parser.add_argument("--texts", type=Path, help="JSONL (or .jsonl.gz) of real texts to tokenize and index too")
     parser.add_argument("--text-field", default="text", help="field of each JSONL record holding its text")
-    parser.add_argument("--nq", action="store_true", help="index the shipped NQ passages (rag_speculate.nq) too")
+    parser.add_argument("--nq", action="store_true", help="index the shipped NQ passages (rag_speculate/retrieval/nq.py) too")
     parser.add_argument("--tokenizer", help="local tokenizer folder or packaged model name, for --texts and --nq")
     parser.add_argument("--queries", type=int, default=1000, help="timed proposals per context kind")
     parser.add_argument("--budget", type=int, default=16, help="draft budget of each proposal")

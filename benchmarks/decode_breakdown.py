@@ -4,9 +4,10 @@ For every method whose runs count their forwards (ours, and `hf-assisted` since 
 decode tokens per target forward after the prefill, draft forwards per target forward, drafting's
 share of decode, seconds per target forward and per draft forward. Then, for `--method` against
 `--base`, by aggregate decode speed: what `--method` would reach with drafting free, and how much
-drafting it could afford and still be `--ratio` x `--base` (docs/benchmarks.md section 4.8).
+drafting it could afford and still be `--ratio` x `--base`.
 
-    python3 benchmarks/decode_breakdown.py benchmarks/results/bf16_counts_n8.json benchmarks/results/bf16_counts_n8b.json
+    python3 benchmarks/decode_breakdown.py benchmarks/results/zen5_verdict_next_off0.json \
+        benchmarks/results/zen5_verdict_next_off8.json --base hf-assisted:fast
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ file): the draft model reads each prompt plus the target's output in one forward
 position its argmax is compared with the target's next token. Speed does not enter; this isolates
 what a draft model's arithmetic costs in agreement. Variants: the draft in fp32, in int8 with
 torch.ao's defaults (one scale per tensor, 7-bit activations), and in int8 as
-`loading.int8_draft_model` makes it (one scale per output channel, 8-bit activations where VNNI allows).
+`int8_draft_model` (rag_speculate/models/int8.py) makes it (one scale per output channel, 8-bit activations
+where VNNI allows).
 
-    python3 benchmarks/draft_agreement.py --results benchmarks/results/kernel512_n4.json
-    python3 benchmarks/draft_agreement.py --results benchmarks/results/kernel512_n4.json --stepwise   # as drafting feeds tokens
+    python3 benchmarks/draft_agreement.py --results benchmarks/results/zen5_fp32_n8.json
+    python3 benchmarks/draft_agreement.py --results benchmarks/results/zen5_fp32_n8.json --stepwise   # as drafting feeds tokens
 """
 
 from __future__ import annotations

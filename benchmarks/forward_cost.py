@@ -52,18 +52,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
-    parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (loading.int8_draft_model)")
-    parser.add_argument("--fast", action="store_true", help="linear layers through the engine's CPU kernels (cpu_linear.py)")
-    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (lean_forward.py)")
+    parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (int8_draft_model, rag_speculate/models/int8.py)")
+    parser.add_argument("--fast", action="store_true", help="forwards through the engine's CPU kernels (FastKernels: rag_speculate/cpu/linear.py and, in bf16, cpu/attention.py)")
+    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (rag_speculate/models/lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
-                        help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (verify.TreeForward)")
+                        help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (TreeForward, rag_speculate/decoding/forward.py)")
     parser.add_argument("--head-vocabulary", type=int, default=None, metavar="N",
                         help="with --lean: also, in the same rounds, with the head scoring only the N lowest ids and the "
                              "context's (OuroborosDrafter's head_vocabulary)")
     parser.add_argument("--kernel-variant", type=Path, default=None, metavar="FILE",
-                        help="with --fast: also time every q with another version of kernels/small_linear.c serving the small rows")
+                        help="with --fast: also time every q with another version of rag_speculate/cpu/small_linear.c serving the small rows")
     parser.add_argument("--torch-attention", action="store_true",
-                        help="with --fast: also time every q with the attention left to torch's kernel (cpu_attention.py off)")
+                        help="with --fast: also time every q with the attention left to torch's kernel (rag_speculate/cpu/attention.py off)")
     args = parser.parse_args()
     if args.kernel_variant and not (args.fast and args.kernel_variant.is_file()):
         parser.error("--kernel-variant needs --fast and an existing file")
@@ -263,7 +263,7 @@ def print_rounding(model: PreTrainedModel, cache: DynamicCache, tokens: torch.Te
                                    (True, True, "fast kernels, token by token")):
         print(f"max |logit difference| over {tokens.shape[1]} tokens from torch's kernel token by token, {what}: "
               f"{(logits(fast, one_by_one) - reference).abs().max().item():.2e}")
-    # bf16 through the fast kernels: each row as alone, so 0 (cpu_attention.py).
+    # bf16 through the fast kernels: each row as alone, so 0 (rag_speculate/cpu/attention.py).
     print(f"max |logit difference| over {tokens.shape[1]} tokens, fast kernels, one forward from token by token: "
           f"{(logits(True, False) - logits(True, True)).abs().max().item():.2e}")
 

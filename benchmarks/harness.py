@@ -14,9 +14,7 @@ ratios show what a user gets, modeled ratios price the same forwards at a speed 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-import re
 import statistics
 import sys
 import time
@@ -46,7 +44,7 @@ from rag_speculate.cpu.linear import fast_linear_works
 from rag_speculate.cpu.kernels import FastKernels
 from rag_speculate.models.lean_forward import lean_forward
 from rag_speculate.decoding.tree import ROOT
-from rag_speculate.decoding.forward import TreeForward
+from rag_speculate.decoding.forward import TreeForward, kernel_context
 
 Method = Callable[[list[int], list | None, int], dict]
 BASELINES = ("hf-greedy", "hf-greedy:fast", "hf-pld", "hf-assisted", "hf-assisted:fast")  # what the summary divides by
@@ -85,7 +83,7 @@ def fast_forwards(models: Sequence[torch.nn.Module]) -> Iterator[None]:
     """Within this context, the forwards of `models`, and nothing else, run inside `FastKernels`, as
     our engine runs its target's and draft model's. The mode costs every torch call a Python
     dispatch: around the whole of `generate` it slowed the int8 assistant's forward over one token,
-    which no fast kernel serves, from 31 ms to 37 (docs/benchmarks.md section 4.9)."""
+    which no fast kernel serves, from 31 ms to 37."""
     own = [(m, m.__dict__.get("forward")) for m in models]
     for model, _ in own:
         forward = model.forward
@@ -151,8 +149,7 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
     if ours.fast_kernels == engine.fast_kernels:
         ours.cost_model = engine.cost_model
 
-    # By what they count, not their class: an A/B's variant OuroborosDrafter is another class.
-    draft_models = [d for d in getattr(ours.drafter, "drafters", [ours.drafter]) if hasattr(d, "draft_forward_sizes")]
+    draft_models = _draft_counters(ours.drafter)
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         if before:
@@ -170,31 +167,34 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
     return run
 
 
+def _draft_counters(drafter: Drafter) -> list:
+    """What counts the draft model's forwards by tokens fed (`draft_forward_sizes`), for each drafter
+    that runs one: Ouroboros (its `draft`), alone or inside the combined drafter."""
+    found = []
+    for d in getattr(drafter, "drafters", [drafter]):
+        holder = d if hasattr(d, "draft_forward_sizes") else getattr(d, "draft", None)
+        if hasattr(holder, "draft_forward_sizes"):
+            found.append(holder)
+    return found
+
+
 def _by_size(counts: Counter[int]) -> dict[str, int]:
     # Sizes as JSON gives them back, so a summary reads a run the same before and after saving.
     return {str(q): n for q, n in counts.items()}
 
 
 def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore: Datastore | None = None,
-                  draft: tuple | None = None, variants: dict[str, Path] | None = None) -> dict[str, Method]:
+                  draft: tuple | None = None) -> dict[str, Method]:
     """Methods by name: hf-greedy, hf-pld, hf-assisted, trie, rest, trie+rest, ouroboros, ouroboros-warm,
     combined (every configured source); NAME@B for one of ours with a draft budget of B (trie@0: our
-    engine decoding plainly); NAME:stock for one of ours with torch's own linear kernel, NAME:fast for
-    one of transformers' with our engine's (cpu_linear.py; by default ours use it and transformers' not).
-    `variants` maps further names to other versions of drafters/combined.py or drafters/ouroboros.py:
-    an A/B of a change against the installed file, in one process. A variant runs as the method its
-    name starts with (ouroboros-warm, ouroboros, else combined), with the file's CombinedDrafter or
-    OuroborosDrafter in place of the installed one."""
+    engine decoding plainly); NAME:stock for one of ours with torch's own kernels, NAME:fast for one of
+    transformers' with our engine's (`FastKernels`, rag_speculate/cpu/; by default ours use them and
+    transformers' not)."""
     # One measured cost curve for all of ours, so they differ only in their drafters; a short
     # generation times it (and pays the first call's one-off costs).
     engine.generate([1, 2, 3, 4], max_new_tokens=4)
     methods = {}
-    variants = variants or {}
     for name in names:
-        if name in variants:
-            base = next((m for m in ("ouroboros-warm", "ouroboros") if name.startswith(m)), "combined")
-            methods[name] = _method(base, None, engine, datastore, draft, "", _variant_classes(name, variants[name]))
-            continue
         rest, _, kernel = name.partition(":")
         base, _, budget = rest.partition("@")
         if kernel and kernel != ("fast" if base.startswith("hf-") else "stock"):
@@ -203,25 +203,8 @@ def build_methods(names: Sequence[str], engine: SpeculativeEngine, *, datastore:
     return methods
 
 
-def _variant_classes(name: str, path: Path) -> dict[str, type[Drafter]]:
-    """The drafter classes another version of a drafters/ file defines, loaded beside the installed ones."""
-    # Inside rag_speculate.drafters, so the file's relative imports resolve as in the package.
-    spec = importlib.util.spec_from_file_location("rag_speculate.drafters.variant_" + re.sub(r"\W", "_", name), path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"method {name!r}: cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    classes = {c: getattr(module, c) for c in ("CombinedDrafter", "OuroborosDrafter") if hasattr(module, c)}
-    if not classes:
-        raise SystemExit(f"method {name!r}: {path} defines neither CombinedDrafter nor OuroborosDrafter")
-    return classes
-
-
 def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore: Datastore | None, draft: tuple | None,
-            kernel: str, classes: dict[str, type[Drafter]] | None = None) -> Method:
-    classes = classes or {}
-
+            kernel: str) -> Method:
     def need(what, value):
         if value is None:
             raise SystemExit(f"method {name} needs {what}")
@@ -245,7 +228,7 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
     if name == "trie+rest":
         return ours([NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))])
     if name in ("ouroboros", "ouroboros-warm", "combined"):
-        ouroboros = classes.get("OuroborosDrafter", OuroborosDrafter)(*need("--draft-model", draft))
+        ouroboros = OuroborosDrafter(*need("--draft-model", draft))
 
         def cold() -> None:
             # Without warm start every item starts from an empty pool; with it (the paper's Table 2
@@ -255,7 +238,7 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
         if name != "combined":
             return ours(ouroboros, before=cold if name == "ouroboros" else None)
         drafters = [NGramTrieDrafter(), *([RESTDrafter(datastore)] if datastore else []), ouroboros]
-        return ours(classes["CombinedDrafter"](drafters) if "CombinedDrafter" in classes else drafters)
+        return ours(drafters)
     raise SystemExit(f"unknown method {name!r}")
 
 
@@ -280,7 +263,7 @@ def measure(items: list[Item], methods: dict[str, Method], max_new_tokens: int, 
 
 def _check_against_greedy(batch: list[dict], item: Item, tokenizer) -> None:
     # Greedy decoding through torch's kernels where it ran, else through ours: in fp32 both give the
-    # same tokens, in bf16 only the latter sums each row as our verification does (section 1.6).
+    # same tokens, in bf16 only the latter sums each row as our verification does (docs/benchmarks.md, "Method").
     reference = next((r["tokens"] for greedy in ("hf-greedy", "hf-greedy:fast") for r in batch if r["method"] == greedy), None)
     for r in batch:
         r["identical"] = reference is not None and r["tokens"] == reference
@@ -294,7 +277,8 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
     model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
 
     def curve(model, fast: bool, max_q: int, exact: bool = True, forward=None) -> dict[int, float]:
-        verifier = TreeForward(model, fast_kernels=fast, forward=forward)
+        context = kernel_context(model) if fast else None  # the CPU kernels where they serve the model
+        verifier = TreeForward(model, context=context or contextlib.nullcontext, forward=forward)
         forward = verifier.timed(verifier.supports_tree_attention(exact=exact)[0])
         tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
         return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
@@ -305,7 +289,7 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
         # As OuroborosDrafter runs it: through the lean forward where that fits, in tree mode where
         # the drafting check passes (exact=False).
         lean = lean_forward(draft_model)[0]
-        costs["draft"] = curve(draft_model, fast_linear_works(draft_model)[0], 33, exact=False, forward=lean)
+        costs["draft"] = curve(draft_model, True, 33, exact=False, forward=lean)
     return costs
 
 
@@ -314,7 +298,7 @@ def modeled_decode_s(run: dict, costs: dict[str, dict]) -> float | None:
 
     Free of the machine's speed drifting during a run (the same 18 forwards took 4.25 to 5.35 s),
     though most of the per-item spread between two drafting policies is in what they do, not in
-    that (docs/benchmarks.md section 4). Left out: the drafters' lookups and bookkeeping (under 1 ms
+    that. Left out: the drafters' lookups and bookkeeping (under 1 ms
     per step) and attention growing past the curves' 32 tokens of context (modeled over measured:
     0.83-0.93 on rag's long prompts, 0.92-1.09 elsewhere). Only for runs whose forwards are known:
     ours, and `hf-greedy:fast` (one single-token forward per token after the first).
@@ -425,7 +409,7 @@ def _ci95(values: list[float]) -> float | None:
     """Half-width of the 95% confidence interval of the mean, items taken as independent samples (Student's t).
 
     Per-item ratios spread by 5-15% here (more from what the drafters do on each item than from the
-    machine's speed, docs/benchmarks.md section 4), so a mean over four items can differ from
+    machine's speed), so a mean over four items can differ from
     another method's by that much with nothing changed; the interval says how far to trust a gap.
     """
     if len(values) < 2:
@@ -440,11 +424,11 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
     rows = [m for block in summary.values() for m in block["methods"].values()]
     modeled = [b for b in bases if any(f"modeled_speedup_vs_{b}_mean" in m for m in rows)]
     lines = [
-        "| category | method | decode tok/s | " + " | ".join(f"decode x {b} (mean ± 95% CI / median / lowest)" for b in bases)
+        "| category | method | decode tok/s | end to end tok/s | " + " | ".join(f"decode x {b} (mean ± 95% CI / median / lowest)" for b in bases)
         + "".join(f" | modeled x {b}" for b in modeled) + (" | modeled / measured" if modeled else "")
         + " | tokens/forward | forwards: target (without a draft) / draft model | drafting / decode | accepted by source"
         + " | identical to greedy | answer found |",
-        "|---|---|---|" + "---|" * (len(bases) + len(modeled) + bool(modeled)) + "---|---|---|---|---|---|",
+        "|---|---|---|---|" + "---|" * (len(bases) + len(modeled) + bool(modeled)) + "---|---|---|---|---|---|",
     ]
     for category, block in summary.items():
         for method in methods:
@@ -460,7 +444,7 @@ def markdown(summary: dict, methods: list[str], bases: Sequence[str] = BASELINES
             ratios = " | ".join([_ratio(m, "decode", b) for b in bases] + [_ratio(m, "modeled", b) for b in modeled])
             if modeled:
                 ratios += f" | {m['modeled_share_of_decode']:.2f}" if "modeled_share_of_decode" in m else " | -"
-            lines.append(f"| {category} (n={m['items']}) | {method} | {m['decode_tok_s']:.2f} | {ratios} | {per_forward} | {forwards} | "
+            lines.append(f"| {category} (n={m['items']}) | {method} | {m['decode_tok_s']:.2f} | {m['e2e_tok_s']:.2f} | {ratios} | {per_forward} | {forwards} | "
                          f"{drafting} | {sources} | {m['identical_to_greedy']:.0%} | {found} |")
     return "\n".join(lines)
 

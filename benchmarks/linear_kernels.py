@@ -1,7 +1,7 @@
 """Milliseconds per pass of a few-row fp32 (or bf16) product over several weight matrices, by kernel.
 
 Decoding and verification multiply 1-17 rows by every weight of the model; this times the
-kernels `rag_speculate.cpu_linear` chooses between on matrices of one layer's shape (by default
+kernels rag_speculate/cpu/linear.py chooses between on matrices of one layer's shape (by default
 six of the 1.5B Qwen's MLP, 330 MB, more than the caches hold), rows interleaved so machine noise
 hits every kernel alike. Prints a markdown table.
 
@@ -26,7 +26,7 @@ from rag_speculate.cpu import linear as cpu_linear
 
 def kernels(weights: list[torch.Tensor], rows: list[int], variants: dict[str, Path]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
     """Kernels by name, each called with the input and the index of its weight; `variants`: other
-    versions of `kernels/small_linear.c` by name, built with the same flags."""
+    versions of `rag_speculate/cpu/small_linear.c` by name, built with the same flags."""
     dtype = weights[0].dtype
     found = {"torch": lambda x, i: F.linear(x, weights[i])}
     if dtype == torch.float32:  # in bf16 torch's product is oneDNN's, and MKL has none
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
-                        help="also time another version of kernels/small_linear.c (e.g. `git show REV:rag_speculate/kernels/small_linear.c`)")
+                        help="also time another version of rag_speculate/cpu/small_linear.c (e.g. `git show REV:rag_speculate/cpu/small_linear.c`)")
     args = parser.parse_args()
     variants = {}
     for assignment in args.variant:

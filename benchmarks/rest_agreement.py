@@ -5,7 +5,7 @@ position, the datastore is searched with the prompt plus the answer so far, and 
 of its most frequent continuation is compared with the answer's next token. The rates are what
 `RESTDrafter`'s priors (rag_speculate/drafters/rest.py) are set from.
 
-    python3 benchmarks/rest_agreement.py --results benchmarks/results/onednn_int8.json \\
+    python3 benchmarks/rest_agreement.py --results benchmarks/results/zen5_fp32_n8.json \\
         --datastore ~/.cache/rag-speculate/indexes/nq-qwen2.5-coder-1.5b-instruct
 """
 

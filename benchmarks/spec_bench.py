@@ -1,8 +1,11 @@
 """Spec-Bench items: transformers' decoders against ours, one process, interleaved (see harness.py).
 
     python3 benchmarks/spec_bench.py --n 1 --max-new-tokens 256 --out benchmarks/results/spec_bench_fp32
-    python3 benchmarks/spec_bench.py --methods hf-greedy,hf-assisted,ouroboros,ouroboros-warm,combined \
-        --draft-model qwen2.5-coder-0.5b-instruct --draft-int8 --datastore DIR --out benchmarks/results/ouroboros
+    python3 benchmarks/spec_bench.py --n 8 --max-new-tokens 64 --dtype bfloat16 \
+        --draft-model qwen2.5-coder-0.5b-instruct --draft-int8 --datastore DIR \
+        --methods hf-greedy:fast,hf-assisted,hf-assisted:fast,ouroboros,combined \
+        --bases hf-greedy:fast,hf-assisted,hf-assisted:fast,ouroboros --out benchmarks/results/NAME
+    python3 benchmarks/spec_bench.py --from-json A.json --from-json B.json --bases hf-greedy:fast,ouroboros   # pooled
 
 `rag` items hand their passages to the drafters as documents; the other categories have none.
 `--datastore` (a folder written by `rag-speculate index`, or a saved REST datastore) enables the
@@ -73,7 +76,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft-model", default=None, help="for hf-assisted, ouroboros and combined")
-    parser.add_argument("--draft-int8", action="store_true", help="the draft model computes in int8 (loading.int8_draft_model), for every method that uses it")
+    parser.add_argument("--draft-int8", action="store_true",
+                        help="the draft model computes in int8 (int8_draft_model in rag_speculate/models/int8.py), for every method that uses it")
     parser.add_argument("--datastore", type=Path, default=None, help="for rest, trie+rest and combined")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
@@ -86,11 +90,8 @@ def main() -> None:
     parser.add_argument("--bases", default=",".join(BASELINES),
                         help="methods the table divides by, where run (with --from-json e.g. `trie,ouroboros` to compare ours)")
     parser.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
-                        help="with --from-json: method OLD counts as NEW (a variant that was the code NEW ran in other runs); "
+                        help="with --from-json: method OLD counts as NEW (runs that named the same code differently); "
                              "in a file with both, OLD's results replace NEW's")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
-                        help="method NAME: another version of drafters/combined.py or drafters/ouroboros.py (an A/B), run as the "
-                             "method NAME starts with (ouroboros-warm, ouroboros, else combined)")
     args = parser.parse_args()
     title = "Decode speed on Spec-Bench (higher is better)"
     if args.rename and not args.from_json:
@@ -116,9 +117,7 @@ def main() -> None:
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     if draft and args.draft_int8:
         draft = (int8_draft_model(draft[0]), draft[1])
-    variants = {name: Path(file) for name, file in _assignments(args.variant, "--variant", "NAME=FILE").items()}
-    methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft,
-                            variants=variants)
+    methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft)
     items = load_items(engine, args.data, args.categories.split(","), args.n, args.offset)
     measure(items[:1], methods, 8, engine.tokenizer)  # warm-up: first calls pay one-off allocation and dispatch costs
     costs = reference_costs(engine, draft[0] if draft else None)

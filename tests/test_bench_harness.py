@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from conftest import tiny_model
 from harness import engine_method, hf_method, modeled_decode_s, renamed, summarize, with_modeled
 
-from rag_speculate import NGramTrieDrafter, SpeculativeEngine
+from rag_speculate import NGramTrieDrafter, OuroborosDrafter, SpeculativeEngine
 from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.decoding.budget import CostModel
 from rag_speculate.cpu.kernels import FastKernels
@@ -151,7 +151,7 @@ def test_a_renamed_variant_replaces_the_method_it_is_pooled_as():
         return {"item": item, "category": "qa", "method": method, "tokens": [0] * 9, "total_s": decode_s, "decode_s": decode_s,
                 "forwards": None, "identical": True}
 
-    # An A/B ran a patch as "ours" and the committed code as "ours-kept"; another run had the committed code as "ours".
+    # One run named the code under test "ours" and the code in use "ours-kept"; another named the code in use "ours".
     ab = [run("a", "base", 2.0), run("a", "ours", 4.0), run("a", "ours-kept", 1.0)]
     other = [run("b", "base", 2.0), run("b", "ours", 0.5)]
     runs = renamed(ab, {"ours-kept": "ours"}) + renamed(other, {"ours-kept": "ours"})
@@ -172,6 +172,21 @@ def test_a_fresh_run_summarizes_as_its_saved_copy(tokenizer):
     saved = summarize(json.loads(json.dumps([run])), ["trie"], bases=[])["qa"]["methods"]["trie"]["forwards"]
     assert fresh == saved
     assert fresh["without_draft"] == run["forward_sizes"]["1"] > 0
+
+
+def test_a_run_counts_the_draft_models_forwards_alone_and_inside_the_combined_drafter(tokenizer):
+    """Ouroboros keeps its draft model's forward counts on its `draft`: a run must find them there."""
+    model = tiny_model("llama", seed=0)
+    engine = SpeculativeEngine(model, tokenizer)
+    engine.cost_model = CostModel({1: 1.0, 65: 1.0}, learn=False)  # every forward costs alike: drafting pays
+    text = "the quick brown fox jumps over the lazy dog. the quick"
+    for drafter in (OuroborosDrafter(tiny_model("llama", seed=0), tokenizer),
+                    [NGramTrieDrafter(), OuroborosDrafter(tiny_model("llama", seed=0), tokenizer)]):
+        ouroboros = drafter if isinstance(drafter, OuroborosDrafter) else drafter[1]
+        ouroboros.draft.cost_model = CostModel({1: 0.1, 65: 0.1}, learn=False)
+        before = ouroboros.draft_forwards
+        run = engine_method(engine, drafter)(tokenizer.encode(text), None, 24)
+        assert sum(run["draft_forward_sizes"].values()) == ouroboros.draft_forwards - before > 0
 
 
 def test_repeated_runs_of_an_item_count_as_their_median():
