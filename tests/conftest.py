@@ -24,6 +24,32 @@ from transformers import (
 # Tiny models gain nothing from threads, and oversubscribed cores make them 30x slower.
 torch.set_num_threads(1)
 
+# The device the tests build their models on: CI runs them on the CPU, a GPU machine the same tests
+# with RAG_SPECULATE_TEST_DEVICE=cuda. Tests of the CPU kernels skip elsewhere.
+DEVICE = torch.device(os.environ.get("RAG_SPECULATE_TEST_DEVICE", "cpu"))
+on_cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason=f"tests the CPU kernels; the tests run on {DEVICE}")
+
+
+def pytest_generate_tests(metafunc):
+    # Tests that use `forward_path` run through the CPU kernels and through the portable path
+    # (torch and transformers' public API only, as on any other device).
+    if "forward_path" in metafunc.fixturenames:
+        paths = ["kernels", "portable"] if DEVICE.type == "cpu" else ["portable"]
+        metafunc.parametrize("forward_path", paths, indirect=True)
+
+
+@pytest.fixture
+def forward_path(request, monkeypatch):
+    """Engines and draft models built in the test use the CPU kernels ("kernels", where they work)
+    or never ("portable")."""
+    if request.param == "portable":
+        from rag_speculate.decoding import engine
+        from rag_speculate.drafters.ouroboros import draft_model
+
+        for module in (engine, draft_model):
+            monkeypatch.setattr(module, "kernel_context", lambda model, wanted=None: None)
+    return request.param
+
 VOCAB = 96
 CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"()-\n"
 COMMON = {"vocab_size": VOCAB, "max_position_embeddings": 512, "initializer_range": 0.3, "eos_token_id": 0, "bos_token_id": None, "pad_token_id": None}
@@ -67,7 +93,7 @@ def tiny_config(arch: str, **overrides):
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype).to(DEVICE).eval()
     model.generation_config.eos_token_id = 0
     model.generation_config.pad_token_id = 0
     return model

@@ -23,6 +23,9 @@ from rag_speculate import (
 )
 from rag_speculate.decoding.budget import CostModel
 
+# The losslessness tests run through the CPU kernels and through the portable path alike.
+pytestmark = pytest.mark.usefixtures("forward_path")
+
 
 class FixedDrafter(Drafter):
     """Proposes the same tree every step, and records what it is told."""

@@ -9,6 +9,9 @@ from drafters_for_tests import RandomTreeDrafter
 
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 
+# The losslessness tests run through the CPU kernels and through the portable path alike.
+pytestmark = pytest.mark.usefixtures("forward_path")
+
 ARCHS = ["llama", "qwen2", "mistral", "gemma3", "gpt2"]
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, Einstein published", "a"]
 

@@ -26,6 +26,9 @@ from rag_speculate.decoding.sampling import SamplingParams
 from rag_speculate.decoding.verify import accept, Verification
 from rag_speculate.decoding.forward import TreeForward
 
+# The losslessness tests run through the CPU kernels and through the portable path alike.
+pytestmark = pytest.mark.usefixtures("forward_path")
+
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, Einstein published"]
 
 

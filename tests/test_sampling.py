@@ -14,6 +14,9 @@ from scipy.stats import chisquare
 from rag_speculate import SpeculativeEngine
 from rag_speculate.decoding.sampling import SamplingParams, warp_logits
 
+# The losslessness tests run through the CPU kernels and through the portable path alike.
+pytestmark = pytest.mark.usefixtures("forward_path")
+
 PROMPT = "the quick brown fox"
 
 

@@ -7,6 +7,9 @@ from conftest import hf_greedy, tiny_model
 
 from rag_speculate import SpeculativeEngine
 
+# The losslessness tests run through the CPU kernels and through the portable path alike.
+pytestmark = pytest.mark.usefixtures("forward_path")
+
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick"
 
 

@@ -61,7 +61,9 @@ def small_attention(
     one, over `MAX_ROWS` query rows (prefills), dropout, `is_causal` after cached entries, a mask
     per head, head dims not a multiple of 16, or no kernel built here."""
     if not (
-        query.device.type == "cpu"
+        query.device.type == key.device.type == value.device.type == "cpu"
+        and (attn_mask is None or attn_mask.device.type == "cpu")
+        and query.layout == key.layout == value.layout == torch.strided
         and query.dtype == key.dtype == value.dtype == torch.bfloat16
         and query.dim() == key.dim() == value.dim() == 4
         and query.shape[0] == 1
@@ -87,10 +89,11 @@ def small_attention(
     # The cache's heads may sit apart (a cropped view); within a head, entries must be contiguous.
     key, value = (t if t.stride()[2:] == (dims, 1) else t.contiguous() for t in (key, value))
     query = query.contiguous()
-    mask = torch.full((rows, rows), float("-inf")).triu(1) if is_causal else None
+    # On the CPU whatever torch's default device: the kernel reads and writes through these pointers.
+    mask = torch.full((rows, rows), float("-inf"), device="cpu").triu(1) if is_causal else None
     if attn_mask is not None:
         bias = attn_mask.expand(1, 1, rows, length)[0, 0]
-        mask = torch.zeros(rows, length).masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else bias.float().contiguous()
+        mask = torch.zeros(rows, length, device="cpu").masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else bias.float().contiguous()
     out = torch.empty_like(query)
     library.small_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),

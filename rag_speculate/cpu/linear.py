@@ -54,10 +54,14 @@ def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def run_small_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` through a small-row kernel built for their dtype (`weight` contiguous)."""
+    _check_cpu_tensors("small_linear", x.dtype, x, weight, bias)
+    if weight.dim() != 2 or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"small_linear needs a contiguous 2D weight of {x.shape[-1]} columns, got {tuple(weight.shape)}")
     features = x.shape[-1]
     rows = x.numel() // features
     flat = x.reshape(rows, features).contiguous()
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+    # On the CPU whatever torch's default device: the kernel writes through this pointer.
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device="cpu")
     library.small_linear(
         flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(), rows, weight.shape[0], features, torch.get_num_threads(),
@@ -65,10 +69,18 @@ def run_small_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _check_cpu_tensors(kernel: str, dtype: torch.dtype, *tensors: torch.Tensor | None) -> None:
+    """A kernel reads and writes raw pointers: anything but strided CPU tensors of its dtype is refused."""
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != dtype or t.layout != torch.strided):
+            raise ValueError(f"{kernel} takes strided {dtype} tensors on the CPU, got {t.layout} {t.dtype} on {t.device}")
+
+
 def linear_kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The kernel `FastKernels` runs `F.linear(x, weight, bias)` with, or None for torch's own."""
     if not (
-        x.device.type == "cpu"
+        x.device.type == weight.device.type == "cpu"
+        and (bias is None or bias.device.type == "cpu")
         and x.dtype == weight.dtype
         and x.dtype in _KERNEL_DTYPES
         and x.layout == weight.layout == torch.strided

@@ -151,10 +151,11 @@ def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, d
     visible = np.eye(q, dtype=bool)
     for i, p in enumerate(tree.parents):
         visible[i + 1] |= visible[p + 1]
-    mask = torch.full((q, past_length + q), torch.finfo(dtype).min, dtype=dtype)
+    # Built on the model's device: only the small visibility matrix crosses from the host.
+    mask = torch.full((q, past_length + q), torch.finfo(dtype).min, dtype=dtype, device=device)
     mask[:, :past_length] = 0
-    mask[:, past_length:].masked_fill_(torch.from_numpy(visible), 0)
-    return mask.to(device)[None, None]
+    mask[:, past_length:].masked_fill_(torch.from_numpy(visible).to(device, non_blocking=True), 0)
+    return mask[None, None]
 
 
 def tree_position_ids(tree: DraftTree, past_length: int, device: torch.device) -> torch.Tensor:

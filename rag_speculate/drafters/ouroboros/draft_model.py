@@ -35,7 +35,8 @@ def head_ids(tokenizer: PreTrainedTokenizerBase, lowest: int, vocab_size: int, *
     copies from its prompt and documents)."""
     common = set(range(min(lowest, vocab_size))).union(i for i in tokenizer.all_special_ids if 0 <= i < vocab_size)
     rare = {i for ids in contexts for i in ids if 0 <= i < vocab_size} - common
-    return torch.tensor(sorted(common), dtype=torch.long), torch.tensor(sorted(rare), dtype=torch.long)
+    # Host-side ids, whatever torch's default device: they key the head's cached row groups.
+    return (torch.tensor(sorted(common), dtype=torch.long, device="cpu"), torch.tensor(sorted(rare), dtype=torch.long, device="cpu"))
 
 
 @dataclass(frozen=True)
