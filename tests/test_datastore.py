@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import VOCAB, char_tokenizer, hf_greedy, tiny_model
 
-import rag_speculate.retrieval.datastore as datastore_module
+import rag_speculate.retrieval.datastore_format as datastore_format
 from rag_speculate import Datastore, DatastoreError, DraftContext, InvalidArgumentError, RESTDrafter, SpeculativeEngine
 from rag_speculate.decoding.budget import CostModel
 from rag_speculate.retrieval.datastore import tokenizer_fingerprint
@@ -117,7 +117,7 @@ def test_save_and_memory_mapped_load_round_trip(store_dir, tokenizer):
     assert datastore.num_tokens == sum(map(len, texts)) and datastore.num_documents == 3
     datastore.save(store_dir)
     header = json.loads((store_dir / "datastore.json").read_text())
-    assert header["format_version"] == datastore_module.FORMAT_VERSION
+    assert header["format_version"] == datastore_format.FORMAT_VERSION
     assert header["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
     assert (header["vocab_size"], header["documents"], header["tokens"]) == (len(tokenizer), 3, datastore.num_tokens)
     assert all(len(spec["sha256"]) == 64 for spec in header["arrays"].values())
@@ -177,7 +177,7 @@ def test_interrupted_save_leaves_the_previous_datastore_intact(store_dir, monkey
     old, old_documents = small_store()
     old.save(store_dir)
     new = Datastore.build([[1, 2, 3]], vocab_size=50)
-    real_write = datastore_module._write_array
+    real_write = datastore_format._write_array
 
     def dies_midway(file, array):
         if file.name == "ends.npy":
@@ -185,7 +185,7 @@ def test_interrupted_save_leaves_the_previous_datastore_intact(store_dir, monkey
             raise OSError("No space left on device")
         return real_write(file, array)
 
-    monkeypatch.setattr(datastore_module, "_write_array", dies_midway)
+    monkeypatch.setattr(datastore_format, "_write_array", dies_midway)
     with pytest.raises(OSError, match="No space"):
         new.save(store_dir)
     assert sorted(p.name for p in store_dir.parent.iterdir()) == ["store"]  # no staging folder left behind
@@ -193,7 +193,7 @@ def test_interrupted_save_leaves_the_previous_datastore_intact(store_dir, monkey
     assert reloaded.num_tokens == sum(map(len, old_documents))
     assert reloaded.retrieve(old_documents[1][:20]) == old.retrieve(old_documents[1][:20])
 
-    monkeypatch.setattr(datastore_module, "_write_array", real_write)
+    monkeypatch.setattr(datastore_format, "_write_array", real_write)
     new.save(store_dir)
     assert Datastore.load(store_dir).num_tokens == 3
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rag_speculate.models import packaged as models
+from rag_speculate.models import converted_cache, gguf_file
 from rag_speculate.errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
 from rag_speculate.models.packaged import cache_dir, converted_dir, gguf_path, is_packaged_model, load_packaged_model, MANIFEST_NAME, packaged_model_names, PACKAGED_MODELS, PackagedModel, WEIGHTS_NAME
 
@@ -122,7 +122,7 @@ def test_verified_file_is_not_rehashed(monkeypatch: pytest.MonkeyPatch, tmp_path
     def no_hashing(_: Path) -> str:
         raise AssertionError("verified file was hashed again")
 
-    monkeypatch.setattr(models, "sha256_file", no_hashing)
+    monkeypatch.setattr(gguf_file, "sha256_file", no_hashing)
     assert gguf_path(SMOL) == path
 
 
@@ -140,7 +140,7 @@ def test_assemble_concatenates_in_order(tmp_path: Path) -> None:
     parts = _write_parts(tmp_path / "parts", chunks)
     spec = _smol_with(sha256=hashlib.sha256(b"".join(chunks)).hexdigest())
     target = tmp_path / "out" / "model.gguf"
-    models._assemble(parts, target, spec)
+    gguf_file._assemble(parts, target, spec)
     assert target.read_bytes() == b"first-second-third"
     assert [p.name for p in target.parent.iterdir()] == ["model.gguf"]
 
@@ -149,7 +149,7 @@ def test_assemble_mismatch_leaves_nothing(tmp_path: Path) -> None:
     parts = _write_parts(tmp_path / "parts", [b"a", b"b"])
     target = tmp_path / "out" / "model.gguf"
     with pytest.raises(ModelPackageError, match="sha256 mismatch"):
-        models._assemble(parts, target, _smol_with(sha256="0" * 64))
+        gguf_file._assemble(parts, target, _smol_with(sha256="0" * 64))
     assert list(target.parent.iterdir()) == []
 
 
@@ -166,7 +166,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory):
     """First load of SmolLM2 in fp32 into a private cache, plus the GGUF model's logits."""
     root = tmp_path_factory.mktemp("cache")
     from_gguf = {}
-    write_converted = models._write_converted
+    write_converted = converted_cache._write_converted
 
     def spy(model, tokenizer, *args):
         # The model handed to the cache writer is the one transformers loaded from GGUF.
@@ -176,7 +176,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAG_SPECULATE_CACHE", str(root))
-        patch.setattr(models, "_write_converted", spy)
+        patch.setattr(converted_cache, "_write_converted", spy)
         messages: list[str] = []
         model, tokenizer = load_packaged_model(SMOL, dtype=torch.float32, progress=messages.append)
         state = SimpleNamespace(
@@ -276,7 +276,7 @@ def test_damaged_cache_is_detected(
 ) -> None:
     folder = _use_copy_of_cache(smol, tmp_path, monkeypatch)
     damage(folder)
-    monkeypatch.setattr(models, "_convert", _refuse_rebuild)
+    monkeypatch.setattr(converted_cache, "_convert", _refuse_rebuild)
     with caplog.at_level(logging.WARNING, logger="rag_speculate.models.packaged"), pytest.raises(_RebuildRequested):
         load_packaged_model(SMOL, dtype=torch.float32)
     assert "rebuilding" in caplog.text
@@ -289,14 +289,14 @@ def test_truncated_cache_is_rebuilt(
     _truncate_weights(folder)
 
     def rebuild_from_intact_cache(spec, dtype, target, progress):
-        # A real GGUF rebuild costs ~25 s (the fixture covers that path); feed the
+        # A real GGUF rebuild is slow and the fixture already covers it; feed the
         # real cache writer from the intact cache instead.
         model = AutoModelForCausalLM.from_pretrained(smol.folder, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(smol.folder)
-        models._write_converted(model, tokenizer, target, spec, dtype)
+        converted_cache._write_converted(model, tokenizer, target, spec, dtype)
         return model, tokenizer
 
-    monkeypatch.setattr(models, "_convert", rebuild_from_intact_cache)
+    monkeypatch.setattr(converted_cache, "_convert", rebuild_from_intact_cache)
     messages: list[str] = []
     model, _ = load_packaged_model(SMOL, dtype=torch.float32, progress=messages.append)
     assert any("rebuilding" in m for m in messages)
@@ -304,7 +304,7 @@ def test_truncated_cache_is_rebuilt(
     gc.collect()
 
     # The rebuilt cache is now trusted as is.
-    monkeypatch.setattr(models, "_convert", _refuse_rebuild)
+    monkeypatch.setattr(converted_cache, "_convert", _refuse_rebuild)
     messages.clear()
     model, _ = load_packaged_model(SMOL, dtype=torch.float32, progress=messages.append)
     assert not any("rebuilding" in m for m in messages)
@@ -317,4 +317,4 @@ def test_round_trip_check_rejects_changed_weights(smol: SimpleNamespace) -> None
     with torch.no_grad():
         model.model.norm.weight[0] += 1
     with pytest.raises(ModelPackageError, match="model.norm.weight"):
-        models._check_round_trip(model, smol.folder, PACKAGED_MODELS[SMOL], torch.float32)
+        converted_cache._check_round_trip(model, smol.folder, PACKAGED_MODELS[SMOL], torch.float32)

@@ -1,13 +1,12 @@
 """A draft model's forward without transformers' per-module overhead, for Llama-family decoders.
 
-On this project's 2-core CPU a forward of the int8 0.5B Qwen draft over one token takes 55-70 ms
-through transformers, of which the linear layers take 25-34 ms: the rest is Python around some
-1000 small operators (module calls, attention dispatch, mask and cache bookkeeping). Drafting
-runs that forward once per sentence-draft phrase, so the draft model's cost bounds every method
-that drafts with it (docs/benchmarks.md §4). This forward computes the same operators on the
-same modules and KV cache in fewer calls; on that draft its logits are bit-identical to the
+Through transformers, a small draft model's forward over one token on a CPU spends much of its
+time in Python around its many small operators (module calls, attention dispatch, mask and cache
+bookkeeping) rather than in its linear layers. Drafting runs that forward once per sentence-draft phrase,
+so the draft model's cost bounds every method that drafts with it. This forward computes the
+same operators on the same modules and KV cache in fewer calls, with logits that match the
 model's own (tests/test_lean_forward.py checks tiny Llama, Qwen2 and Mistral models, in fp32
-and int8, to 1e-5).
+and int8).
 
 Only for drafting: the target always runs its own forward, so a mistake here could only cost
 accepted tokens, never change the output. Even so, `lean_forward` uses it only for models whose
@@ -92,13 +91,12 @@ class LeanForward:
         """From now on, logits only for the token ids of `groups`, side by side (column j: token j of
         their concatenation); no groups: every id.
 
-        A draft model's output head reads a large part of its weights (the 0.5B Qwen's, 151,936 x 896:
-        28% of them) for tokens an answer rarely uses; its drafts are only checked, so a head over
-        fewer tokens costs accepted tokens where the target needs another one, never the output.
-        Each group's product is built once and kept until a call with groups names other ids:
-        repacking 33,000 rows of that head takes 0.2 s, a group of a prompt's few hundred ids little.
-        The first call keeps a copy of the head's weights to build groups from (int8: 136 MB for that
-        model)."""
+        A small draft model's output head is a large part of its weights (the 0.5B Qwen's is
+        151,936 x 896) and mostly scores tokens an answer rarely uses; its drafts are only checked,
+        so a head over fewer tokens costs accepted tokens where the target needs another one, never
+        the output. Each group's product is built once and kept until a call with groups names other
+        ids, since repacking many rows of the head is slow while a prompt's few hundred ids are cheap.
+        The first call keeps a copy of the head's weights to build groups from."""
         if not groups:
             self._head = _linear(self._lm_head)
             return
@@ -163,7 +161,7 @@ def _fused_qkv(attention: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     """Queries, keys and values side by side. In int8, from one product: the three share their input,
     and k and v are so small that a call of their own costs more than their weights (k: 128 x 896
     for the 0.5B Qwen). Each row keeps its own channel's scale, so the results are the same. The
-    fused weights are a copy (25 MB for that model); the model keeps its own."""
+    fused weights are a copy; the model keeps its own."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if not all(isinstance(p, Int8Linear) for p in projections):
         linears = [_linear(p) for p in projections]

@@ -16,10 +16,9 @@ from ..errors import InvalidArgumentError
 def default_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 where the hardware computes in it (GPUs, CPUs with AVX512-BF16 or AMX), else fp32.
 
-    On an AVX2-only CPU bf16 matrix products are emulated and cost grows with every token fed:
-    measured on this project's 2-core machine, a 1000-token prefill of the 1.5B target takes
-    195 s in bf16 against 41 s in fp32, and a forward over 17 tokens 10x one over a single token
-    against 2.8x in fp32. Only single-token decoding is faster in bf16 (243 ms against 393 ms).
+    On an AVX2-only CPU bf16 matrix products are emulated, so a prefill or a forward over several
+    tokens (every verification step) is several times slower than in fp32, which outweighs the
+    little bf16 saves on a single-token step.
     """
     if torch.device(device).type != "cpu":
         return torch.bfloat16

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from .corpus import Document
+from .documents import Document
 
 _FILE = "nq_open_oracle.jsonl.gz"
 

@@ -1,0 +1,292 @@
+"""Loading a packaged model through its converted cache: the GGUF file dequantized once into safetensors.
+
+transformers dequantizes every tensor of a GGUF file at each load, which is slow, so the first
+load per (model, dtype) saves the result as ``<cache>/<name>-<dtype>/`` with a manifest, and every
+later load is a plain ``from_pretrained``. The folder is written under a temporary name, checked to
+reload to bit-identical tensors, and renamed into place, so an interrupted run never leaves a
+partial cache that looks complete; a cache that fails validation is rebuilt.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .gguf_file import Progress, gguf_path, logger, report
+from .registry import PackagedModel, cache_dir, resolve
+from ..errors import InvalidArgumentError, ModelPackageError
+from ..files import fsync_dir, sha256_file, sibling, write_new_file
+
+# Bump when the converted-cache layout changes so old caches get rebuilt.
+CACHE_FORMAT_VERSION = 1
+MANIFEST_NAME = "rag_speculate_manifest.json"
+WEIGHTS_NAME = "model.safetensors"
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Errors that a damaged safetensors/config/tokenizer file can raise on load.
+_CACHE_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, SafetensorError)
+
+
+def load_packaged_model(
+    name: str | PackagedModel,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a packaged model and its tokenizer, in eval mode, on ``device``.
+
+    The first call per (model, dtype) converts the GGUF file into a safetensors
+    cache, which is slow; later calls load that cache. A cache that fails
+    validation is logged as a warning and rebuilt.
+    """
+    spec = resolve(name)
+    if dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise InvalidArgumentError(f"unsupported dtype {dtype}; supported: {supported}")
+    try:
+        target_device = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidArgumentError(f"invalid device {device!r}: {exc}") from None
+
+    folder = converted_dir(spec, dtype)
+    loaded = _load_converted_or_none(folder, spec, dtype, progress)
+    if loaded is None:
+        loaded = _convert(spec, dtype, folder, progress)
+    model, tokenizer = loaded
+    model.eval()
+    return model.to(target_device), tokenizer
+
+
+def converted_dir(name: str | PackagedModel, dtype: torch.dtype) -> Path:
+    """Folder holding the safetensors cache of a model for one dtype."""
+    spec = resolve(name)
+    return cache_dir() / f"{spec.name}-{_dtype_name(dtype)}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --- loading the cache ----------------------------------------------------
+
+
+class _UnusableCache(Exception):
+    """A converted cache folder that transformers cannot load faithfully."""
+
+
+def _load_converted_or_none(
+    folder: Path, spec: PackagedModel, dtype: torch.dtype, progress: Progress | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+    """Load the safetensors cache, or None (after a warning) if it is unusable."""
+    if not folder.exists():
+        return None
+    problem = _manifest_problem(folder, spec, dtype)
+    if problem is None:
+        report(progress, f"loading {spec.name} ({_dtype_name(dtype)}) from cache {folder}")
+        try:
+            return _load_cached(folder, dtype)
+        except _UnusableCache as exc:
+            problem = str(exc)
+    logger.warning("model cache %s is unusable (%s); rebuilding it", folder, problem)
+    report(progress, f"cache at {folder} is unusable; rebuilding")
+    return None
+
+
+def _load_cached(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except _CACHE_LOAD_ERRORS as exc:
+        raise _UnusableCache(f"loading failed: {type(exc).__name__}: {exc}") from exc
+    # transformers only warns about missing or unexpected weights; here they mean
+    # randomly initialised layers, e.g. a tied weight that was not re-tied.
+    bad = {kind: sorted(keys) for kind, keys in info.items() if kind != "error_msgs" and keys}
+    if bad:
+        raise _UnusableCache(f"weights do not match the model: {bad}")
+    return model, tokenizer
+
+
+def _manifest_problem(folder: Path, spec: PackagedModel, dtype: torch.dtype) -> str | None:
+    """Why the cache in ``folder`` cannot be trusted, or None if it looks complete."""
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError) as exc:
+        return f"manifest unreadable: {exc}"
+    expected = {
+        "format_version": CACHE_FORMAT_VERSION,
+        "gguf_sha256": spec.sha256,
+        "dtype": _dtype_name(dtype),
+    }
+    for key, value in expected.items():
+        if manifest.get(key) != value:
+            return f"manifest {key} is {manifest.get(key)!r}, expected {value!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
+        return "manifest lists no weights file"
+    # Sizes catch truncation cheaply; hashing gigabytes on every load would not be.
+    for file_name, entry in files.items():
+        path = folder / file_name
+        if not path.is_file():
+            return f"{file_name} is missing"
+        if path.stat().st_size != entry.get("size"):
+            return f"{file_name} has size {path.stat().st_size}, expected {entry.get('size')}"
+    return None
+
+
+# --- building the cache ---------------------------------------------------
+
+
+def _convert(
+    spec: PackagedModel, dtype: torch.dtype, folder: Path, progress: Progress | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the GGUF file with transformers, save it as the cache, and load the cache."""
+    path = gguf_path(spec, progress=progress)
+    report(
+        progress,
+        f"converting {spec.name} GGUF to {_dtype_name(dtype)} safetensors "
+        "(once: every tensor is dequantized, which is slow for the larger models)",
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    report(progress, f"writing model cache {folder}")
+    _write_converted(model, tokenizer, folder, spec, dtype)
+    # A GGUF-loaded model still calls itself quantized (is_quantized, a GGUF
+    # quantization_config) and behaves differently, e.g. refuses dtype casts;
+    # hand out the cache copy so first and later loads return the same kind of model.
+    del model
+    gc.collect()  # free the dequantized weights (reference cycles) before loading the copy
+    try:
+        return _load_cached(folder, dtype)
+    except _UnusableCache as exc:
+        raise ModelPackageError(f"the cache just written for {spec.name} does not load: {exc}") from exc
+
+
+def _write_converted(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    folder: Path,
+    spec: PackagedModel,
+    dtype: torch.dtype,
+) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sibling(folder, "tmp")
+    tmp.mkdir()
+    try:
+        _plain_config(model).to_json_file(tmp / "config.json")
+        if model.generation_config is not None:
+            model.generation_config.to_json_file(tmp / "generation_config.json")
+        tokenizer.save_pretrained(tmp)
+        save_file(_untied_state_dict(model), tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        _check_round_trip(model, tmp, spec, dtype)
+        files = {}
+        for path in sorted(tmp.iterdir()):
+            _fsync_file(path)
+            files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        manifest = {
+            "format_version": CACHE_FORMAT_VERSION,
+            "model": spec.name,
+            "gguf_sha256": spec.sha256,
+            "dtype": _dtype_name(dtype),
+            "files": files,
+        }
+        write_new_file(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
+        fsync_dir(tmp)
+        _swap_in(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_round_trip(
+    model: PreTrainedModel, folder: Path, spec: PackagedModel, dtype: torch.dtype
+) -> None:
+    """Insist that the written folder reloads to bit-identical weights and buffers.
+
+    Catches conversion bugs (an untied lm_head, a config field lost in
+    serialisation that changes rotary buffers) before the cache is trusted.
+    """
+    try:
+        reloaded, _ = _load_cached(folder, dtype)
+    except _UnusableCache as exc:
+        raise ModelPackageError(f"converting {spec.name} produced an unloadable cache: {exc}") from exc
+    expected = _tensors(model)
+    actual = _tensors(reloaded)
+    differing = sorted(
+        key
+        for key in expected.keys() | actual.keys()
+        if key not in expected or key not in actual or not torch.equal(expected[key], actual[key])
+    )
+    if differing:
+        raise ModelPackageError(
+            f"converting {spec.name} changed {len(differing)} tensors, e.g. {differing[:5]}"
+        )
+
+
+def _tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    # named_buffers adds the non-persistent buffers (rotary tables) that state_dict omits.
+    return {**model.state_dict(), **dict(model.named_buffers())}
+
+
+def _plain_config(model: PreTrainedModel) -> Any:
+    """The model config without the GGUF quantization entry.
+
+    The weights in the cache are already dequantized; keeping the entry would
+    make ``from_pretrained`` look for a GGUF file in the cache folder.
+    """
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def _untied_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor stored once.
+
+    safetensors refuses aliased tensors. Tied weights (e.g. lm_head and the
+    embeddings) come first as the embedding, so dropping later aliases leaves
+    the key that ``from_pretrained`` re-ties from.
+    """
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    state = {}
+    for key, tensor in model.state_dict().items():
+        alias = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if alias in seen:
+            continue
+        seen.add(alias)
+        state[key] = tensor.contiguous()
+    return state
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _swap_in(tmp: Path, folder: Path) -> None:
+    """Atomically replace ``folder`` (if any) with the finished ``tmp`` folder."""
+    old = sibling(folder, "old")
+    if folder.exists():
+        os.rename(folder, old)
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        # Another process finished the same conversion first; its copy is equivalent.
+        if not folder.exists():
+            raise
+        logger.info("model cache %s was written concurrently; keeping that copy", folder)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(folder.parent)
