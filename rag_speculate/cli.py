@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file, folder or HF id")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -98,7 +99,7 @@ def _options(args: argparse.Namespace) -> ChunkingOptions:
 
 def run_index(args: argparse.Namespace) -> int:
     documents = read_corpus(args.corpus, text_field=args.text_field)
-    engine = SpeculativeEngine.from_pretrained(args.model, progress=_progress)
+    engine = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress)
     _progress(f"indexing {len(documents)} documents from {args.corpus}")
     index = CorpusIndex.build(
         documents, args.out, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
@@ -109,7 +110,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index)
-    engine = _rag_engine(SpeculativeEngine.from_pretrained(args.model, progress=_progress), index, args.draft_model)
+    engine = _rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model)
     result, chunks = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
     _print_sources(chunks)
@@ -126,7 +127,7 @@ def run_demo(args: argparse.Namespace) -> int:
     question = args.question or questions[args.item].question
     answers = [] if args.question else questions[args.item].answers
 
-    engine = SpeculativeEngine.from_pretrained(args.model, progress=_progress)
+    engine = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress)
     folder = args.index_dir or cache_dir() / "indexes" / f"nq-{Path(args.model).name}"
     _progress(f"indexing the shipped Natural Questions corpus into {folder} (once; later runs reuse it)")
     index = CorpusIndex.build(
@@ -174,7 +175,7 @@ def _rag_engine(engine: SpeculativeEngine, index: CorpusIndex, draft_model: str 
     index.check_tokenizer(engine.tokenizer)
     drafters = [NGramTrieDrafter(), RESTDrafter(index.datastore)]
     if draft_model:
-        model, tokenizer = load_model(draft_model, dtype=engine.model.dtype, device=str(engine.model.device), progress=_progress)
+        model, tokenizer = load_model(draft_model, dtype=engine.model.dtype, device=engine.model.device, progress=_progress)
         if model.device.type == "cpu":
             model = int8_draft_model(model)
         drafters.append(OuroborosDrafter(model, tokenizer))

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from .decoding.engine import SpeculativeEngine
+from .models.device import Device, resolve_device
 from .decoding.result import GenerationResult, GenerationStats, GenerationStream
 
 # "auto": bf16 where the hardware computes in it, else fp32 (models.loading.default_dtype).
@@ -23,17 +24,19 @@ _engines_lock = threading.Lock()
 _DONE = object()
 
 
-def shared_engine(model: str, *, dtype: str, device: str, draft_budget: int | None) -> SpeculativeEngine:
+def shared_engine(model: str, *, dtype: str, device: Device, draft_budget: int | None) -> SpeculativeEngine:
     """One engine per configuration and process: adapters built from the same name share the weights
-    (and, through the engine's lock, take turns on them)."""
+    (and, through the engine's lock, take turns on them). `device` as `models.device.resolve_device`
+    reads it (None: CUDA when available), so "cuda" and None name the same engine on a GPU machine."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    key = (model, dtype, device, draft_budget)
+    resolved = resolve_device(device)
+    key = (model, dtype, str(resolved), draft_budget)
     # Loading under the lock makes a concurrent second caller wait for this copy instead of loading another.
     with _engines_lock:
         if key not in _engines:
             _engines[key] = SpeculativeEngine.from_pretrained(
-                model, dtype=DTYPES[dtype], device=device, draft_budget=draft_budget
+                model, dtype=DTYPES[dtype], device=resolved, draft_budget=draft_budget
             )
         return _engines[key]
 

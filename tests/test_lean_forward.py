@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
+from conftest import DEVICE, VOCAB, tiny_model
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -122,7 +122,7 @@ def test_ouroboros_drafts_through_the_lean_forward_where_it_fits(tokenizer):
     draft = tiny_model("llama")
     drafter = OuroborosDrafter(draft, tokenizer, OuroborosConfig(min_score=0.0))
     assert drafter.draft.lean_forward_skipped == ""
-    drafter.attach(tokenizer, VOCAB)  # its tree-attention check runs the model's own forward as the reference
+    drafter.attach(tokenizer, VOCAB, DEVICE)  # its tree-attention check runs the model's own forward as the reference
     own, embedded = [], []
     draft.register_forward_hook(lambda *_: own.append(1))
     draft.get_input_embeddings().register_forward_hook(lambda *_: embedded.append(1))

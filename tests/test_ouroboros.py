@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import CHARS, VOCAB, char_tokenizer, hf_greedy, tiny_model
+from conftest import CHARS, DEVICE, VOCAB, char_tokenizer, hf_greedy, tiny_model
 from transformers import LlamaForCausalLM
 
 from rag_speculate import (
@@ -161,7 +161,7 @@ def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_ma
     drafter = make_drafter(
         draft, tokenizer, gamma=1, K=0, alternatives=0, min_score=0.0, learn_from_context=False, lean=False
     )
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     ids = tokenizer.encode(PROMPTS[1])
     for phrase in ((ids[-1], 5, 6, 7), (ids[-1], 8, 9, 10)):
         drafter.pool.add(phrase)
@@ -176,7 +176,7 @@ def test_the_lookahead_window_puts_the_draft_models_own_ngrams_in_the_pool(token
     drafter = make_drafter(
         draft, tokenizer, K=0, alternatives=0, min_score=0.0, learn_from_context=False, lookahead=3, lookahead_ngram=3
     )
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     ids = tokenizer.encode(PROMPTS[1])
     drafter.start(DraftContext(ids[:-1], [], VOCAB))
     # Two levels of guesses for the 3 tokens after the root and the 3 after those, shifted by one.
@@ -206,7 +206,7 @@ def first_chain(tokenizer, target_cost: CostModel | None = None, draft_cost: Cos
     drafter = make_drafter(tiny_model("llama", seed=3), tokenizer, gamma=12, K=0, alternatives=0, learn_from_context=False, **kwargs)
     if draft_cost is not None:
         drafter.draft.cost_model = draft_cost
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     drafter.start(DraftContext(ids, [], VOCAB, target_cost))
     return drafter.propose(ids, budget=16)
 
@@ -287,7 +287,7 @@ def test_the_sentence_draft_is_the_draft_models_greedy_continuation_phrase_by_ph
     drafter = make_drafter(
         draft, tokenizer, gamma=12, beta=8, K=0, alternatives=0, min_score=0.0, learn_from_context=False
     )
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     ids = tokenizer.encode(PROMPTS[1])
     expected = hf_greedy(draft, ids, 12)
 
@@ -309,7 +309,7 @@ def test_the_sentence_draft_is_the_draft_models_greedy_continuation_phrase_by_ph
 def test_output_the_draft_cache_lacks_rides_with_the_first_draft_forward(arch, tokenizer):
     draft = tiny_model(arch, seed=3)
     drafter = make_drafter(draft, tokenizer, gamma=6, K=0, alternatives=0, min_score=0.0, learn_from_context=False)
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     ids = tokenizer.encode(PROMPTS[1])
     expected = hf_greedy(draft, ids, 6)
     drafter.start(DraftContext(ids[:-5], [], VOCAB))
@@ -328,7 +328,7 @@ def test_scores_are_best_first_and_the_target_sees_chain_then_suffixes(tokenizer
         tiny_model("llama", seed=3), tokenizer, gamma=4, beta=4, K=3, alternatives=0, min_score=0.0,
         learn_from_context=False,
     )
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     ids = tokenizer.encode(PROMPTS[1])
     drafter.start(DraftContext(ids, [], VOCAB))
     chain = drafter.propose(ids, budget=16).tokens
@@ -353,7 +353,7 @@ def test_scores_are_best_first_and_the_target_sees_chain_then_suffixes(tokenizer
 def test_the_draft_models_next_best_tokens_hang_beside_the_chain(tokenizer):
     draft = tiny_model("llama", seed=3)
     drafter = make_drafter(draft, tokenizer, gamma=4, K=0, min_score=0.0, learn_from_context=False)
-    drafter.attach(tokenizer, VOCAB)
+    drafter.attach(tokenizer, VOCAB, DEVICE)
     ids = tokenizer.encode(PROMPTS[1])
     drafter.start(DraftContext(ids, [], VOCAB))
     tree = drafter.propose(ids, budget=16)

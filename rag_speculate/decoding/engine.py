@@ -66,7 +66,7 @@ class SpeculativeEngine:
         self.drafter = _one_drafter(drafter)
         self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.drafter.attach(tokenizer, self.vocab_size)
+        self.drafter.attach(tokenizer, self.vocab_size, model.device)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         context = kernel_context(model, fast_kernels)
@@ -95,14 +95,15 @@ class SpeculativeEngine:
         name_or_path: str,
         *,
         dtype: torch.dtype | None = None,
-        device: str = "cpu",
+        device: str | int | torch.device | None = None,
         drafter: Drafter | Sequence[Drafter] | None = None,
         draft_budget: int | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> SpeculativeEngine:
         """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id.
 
-        `dtype=None` picks bf16 where the hardware computes in it, else fp32 (`loading.default_dtype`).
+        `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
+        on CPUs that compute in it, else fp32 (`models.loading.default_dtype`).
         """
         from ..models.loading import load_model
 

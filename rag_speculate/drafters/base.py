@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..decoding.budget import CostModel
@@ -38,8 +39,9 @@ class Drafter(ABC):
     # instead of judging it on averages, which miss the short stretches where it predicts.
     paces_itself: bool = False
 
-    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
-        """The engine this drafter serves is being built: refuse a target whose token ids mean other text."""
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, device: torch.device) -> None:
+        """The engine this drafter serves is being built: refuse a target whose token ids mean other
+        text, or a model of the drafter's own on another device than the target's `device`."""
 
     def start(self, context: DraftContext) -> None:
         """A new generation begins; drop per-generation state and index the context."""

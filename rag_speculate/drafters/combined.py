@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import InvalidArgumentError
@@ -131,9 +132,9 @@ class CombinedDrafter(Drafter):
         self._ranked_by: dict[Path, str] = {}  # the drafter whose estimate ranked each merged path
         self._proposed_at = 0.0
 
-    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, device: torch.device) -> None:
         for drafter in self.drafters:
-            drafter.attach(tokenizer, vocab_size)
+            drafter.attach(tokenizer, vocab_size, device)
 
     def start(self, context: DraftContext) -> None:
         for drafter in self.drafters:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from .agreement import MatchAgreement
@@ -40,7 +41,7 @@ class RESTDrafter(Drafter):
         # carries over between generations (old evidence still fades each step).
         self._agreement = MatchAgreement(REST_MATCH_PRIORS)
 
-    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, device: torch.device) -> None:
         fingerprint = self.datastore.fingerprint
         if fingerprint is not None and fingerprint != tokenizer_fingerprint(tokenizer):
             raise DatastoreError(

@@ -41,7 +41,7 @@ def load_packaged_model(
     name: str | PackagedModel,
     *,
     dtype: torch.dtype = torch.bfloat16,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     progress: Progress | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a packaged model and its tokenizer, in eval mode, on ``device``.

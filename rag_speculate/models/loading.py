@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from . import packaged
 from ..cpu import cpu_flags
 from ..errors import InvalidArgumentError
+from .device import Device, resolve_device
 
 
-def default_dtype(device: str = "cpu") -> torch.dtype:
+def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """bf16 where the hardware computes in it (GPUs, CPUs with AVX512-BF16 or AMX), else fp32.
 
     On an AVX2-only CPU bf16 matrix products are emulated, so a prefill or a forward over several
@@ -30,10 +31,12 @@ def load_model(
     name_or_path: str,
     *,
     dtype: torch.dtype | None = None,
-    device: str = "cpu",
+    device: Device = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A packaged model name, a `.gguf` file, a local folder or a Hugging Face model id."""
+    """A packaged model name, a `.gguf` file, a local folder or a Hugging Face model id, on `device`
+    (None: CUDA when available, else the CPU; `resolve_device`) in `dtype` (None: `default_dtype`)."""
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if packaged.is_packaged_model(name_or_path):
         return packaged.load_packaged_model(name_or_path, dtype=dtype, device=device, progress=progress)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import torch
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -304,6 +305,23 @@ def test_unknown_arguments_are_refused(engine, model_class):
         model_class()
     with pytest.raises(ValidationError, match="dtype must be one of"):
         model_class(model=MODEL, dtype="int8")
+
+
+@pytest.mark.parametrize("model_class", [SpeculativeHFLLM, ChatSpeculativeHF])
+def test_devices_as_huggingface_pipeline_takes_them(engine, model_class):
+    # Checked when the object is built, before any model loads.
+    assert model_class(model=MODEL, device=-1).device == "cpu"
+    assert model_class(model=MODEL, device_map="cpu").device == "cpu"
+    assert model_class(model=MODEL).device == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValidationError, match="unknown device 'tpu'"):
+        model_class(model=MODEL, device="tpu")
+    with pytest.raises(ValidationError, match="spreads the model over several devices"):
+        model_class(model=MODEL, device_map={"model.embed_tokens": 0, "lm_head": 1})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValidationError, match="torch sees no CUDA GPU"):
+            model_class(model=MODEL, device="cuda")
+    with pytest.raises(ValidationError, match="cannot be combined with engine"):
+        model_class(engine=engine, device_map="auto")
 
 
 def test_bad_prompts_are_refused(llm, chat):

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import faiss
 import pytest
+import torch
 from langchain_rag_speculate import SpeculativeHFLLM as LangChainLLM
 from llama_index.core import PromptTemplate, StorageContext, VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole
@@ -27,7 +28,7 @@ from pydantic import Field, ValidationError
 from rag_speculate import Drafter, DraftTree, SpeculativeEngine
 from rag_speculate.retrieval.corpus import packaged_embedding_path
 
-from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, MODEL
+from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, DTYPE, MODEL
 
 QUESTION = "What is the capital of France?"
 QUERY = "count the numbers one two three"
@@ -328,3 +329,18 @@ def test_bad_input_is_refused(llm, engine):
         SpeculativeHFLLM(engine=engine, dtype="float16")
     with pytest.raises(ValueError, match="pass model_name"):
         SpeculativeHFLLM()
+
+
+def test_devices_as_huggingface_llm_takes_them(engine):
+    # Refused when the object is built, before any model loads.
+    with pytest.raises(ValueError, match="device_map"):  # one device, as HuggingFaceLLM names it: a string
+        SpeculativeHFLLM(MODEL, device_map={"model.embed_tokens": 0, "lm_head": 1})
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        SpeculativeHFLLM(MODEL, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+            SpeculativeHFLLM(MODEL, device_map="cuda:0")
+    with pytest.raises(ValueError, match="cannot be combined with engine"):
+        SpeculativeHFLLM(engine=engine, device_map="cpu")
+    # The default, device_map="auto", is the engine's device here: the shared engine is reused.
+    assert SpeculativeHFLLM(MODEL, dtype=DTYPE).engine is engine

@@ -10,6 +10,7 @@ from langchain_core.language_models import LangSmithParams
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from rag_speculate import GenerationResult, SpeculativeEngine
+from rag_speculate.models.device import device_from_map, resolve_device
 from rag_speculate.serving import DTYPES, TOKEN_IDS_KEY, check_call_arguments, shared_engine, token_usage
 
 # LangSmith groups runs by provider; LangChain partner packages use their package's suffix.
@@ -46,7 +47,12 @@ class SpeculativeHFParams(BaseModel):
     engine: SpeculativeEngine | None = Field(default=None, exclude=True, repr=False)
     """An engine already loaded, to share one model between several LangChain and LlamaIndex objects."""
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str | int | None = None
+    """As `HuggingFacePipeline` takes it: None for CUDA when available, else the CPU; "cpu", "cuda",
+    "cuda:1"; or a GPU index (-1: the CPU)."""
+    device_map: str | dict | None = None
+    """As transformers takes it, for one device: "auto" (the default device), "cuda:0", "cpu"; the
+    engine runs a model on one device, so a map over several is refused."""
     draft_budget: int | None = None
     """Draft tree nodes verified per forward (None: the engine's default; 0 disables speculation)."""
 
@@ -66,8 +72,11 @@ class SpeculativeHFParams(BaseModel):
                 )
             if self.dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            # Refused now, by name, rather than when the model loads.
+            self.device = str(resolve_device(device_from_map(self.device_map, self.device)))
+            self.device_map = None
             return self
-        loading = sorted({"dtype", "device", "draft_budget"} & self.model_fields_set)
+        loading = sorted({"dtype", "device", "device_map", "draft_budget"} & self.model_fields_set)
         if loading:
             raise ValueError(f"{', '.join(loading)} configure loading a model: they cannot be combined with engine=")
         # Describe the engine as it is, so tracing and _identifying_params tell the truth.
@@ -83,12 +92,14 @@ class SpeculativeHFParams(BaseModel):
         model_id: str,
         *,
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str | int | None = None,
+        device_map: str | dict | None = None,
         draft_budget: int | None = None,
         **kwargs: Any,
     ) -> Self:
-        """Load the model now (or reuse the engine this process already loaded with the same settings)."""
-        llm = cls(model=model_id, dtype=dtype, device=device, draft_budget=draft_budget, **kwargs)
+        """Load the model now (or reuse the engine this process already loaded with the same settings);
+        `device` and `device_map` as `HuggingFacePipeline.from_model_id` takes them."""
+        llm = cls(model=model_id, dtype=dtype, device=device, device_map=device_map, draft_budget=draft_budget, **kwargs)
         llm.get_engine()
         return llm
 

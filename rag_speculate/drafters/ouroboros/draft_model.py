@@ -59,6 +59,7 @@ class DraftModel:
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, lean: bool, head_vocabulary: int | None, tree_budget: int
     ):
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         # Why the draft model runs its own forward rather than the leaner one; "" when lean.
         self._lean, self.lean_forward_skipped = lean_forward(model) if lean else (None, "lean=False")

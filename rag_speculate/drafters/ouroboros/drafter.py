@@ -51,6 +51,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...decoding.budget import CostModel, best_prefix
@@ -128,7 +129,7 @@ class OuroborosDrafter(Drafter):
         self._depth = DepthLimit(self.config.gamma, self.config.max_pause)
         self._window = JacobiWindow(self.config.lookahead, self.config.lookahead_ngram)
 
-    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, device: torch.device) -> None:
         fingerprint = tokenizer_fingerprint(tokenizer)
         if tokenizer_fingerprint(self.draft.tokenizer) != fingerprint:
             raise InvalidArgumentError(
@@ -139,6 +140,11 @@ class OuroborosDrafter(Drafter):
             raise PhrasePoolError(
                 "the phrase pool was saved with another tokenizer, so its token ids mean other text; "
                 "pass a new PhrasePool or one saved with the target's tokenizer"
+            )
+        if self.draft.device != device:
+            raise InvalidArgumentError(
+                f"the draft model is on {self.draft.device} but the target on {device}: its drafts are fed to the "
+                f"target's forward, so load it there (draft_model.to({str(device)!r}); an int8 draft model runs on the CPU only)"
             )
         if self.draft.embedded < len(tokenizer):
             raise InvalidArgumentError(

@@ -27,6 +27,7 @@ from llama_index.core.types import TokenAsyncGen, TokenGen
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from rag_speculate import GenerationResult, GenerationStream, SpeculativeEngine
+from rag_speculate.models.device import device_from_map, resolve_device
 from rag_speculate.serving import DTYPES, acollect, aiterate, check_call_arguments, collect, shared_engine, token_usage
 
 from .documents import current_documents, drafter_documents, drafting_for_query
@@ -34,7 +35,7 @@ from .documents import current_documents, drafter_documents, drafting_for_query
 # What a caller may pass per call to complete/chat and their stream/async variants.
 CALL_ARGUMENTS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "documents")
 _ROLES = (MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT)
-_LOADING = ("dtype", "device", "draft_budget")
+_LOADING = ("dtype", "device", "device_map", "draft_budget")
 
 
 class SpeculativeHFLLM(CustomLLM):
@@ -54,7 +55,8 @@ class SpeculativeHFLLM(CustomLLM):
 
     model_name: str = Field(description="Packaged model name, .gguf file, local folder or Hugging Face id.")
     dtype: str = Field(default="auto", description=f"One of {', '.join(DTYPES)}.")
-    device: str = Field(default="cpu")
+    device_map: str = Field(default="auto", description='As HuggingFaceLLM takes it, for one device: "auto" (CUDA when available, else the CPU), "cuda:0", "cpu".')
+    device: str | None = Field(default=None, description='"cpu", "cuda", "cuda:N" or "mps"; None: as device_map says.')
     draft_budget: int | None = Field(default=None, description="Draft nodes verified per forward (0: no speculation).")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated at most (the metadata's num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
@@ -74,6 +76,7 @@ class SpeculativeHFLLM(CustomLLM):
                     "pass model_name (a packaged model name, .gguf file, folder or Hugging Face id) or engine="
                 )
             super().__init__(model_name=model_name, **kwargs)
+            self.device = str(resolve_device(device_from_map(self.device_map, self.device)))
             self._engine = shared_engine(
                 model_name, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget
             )
