@@ -53,11 +53,13 @@ def check_call_arguments(owner: str, kwargs: dict, allowed: tuple[str, ...]) -> 
         raise TypeError("pass max_new_tokens or its alias max_tokens, not both")
 
 
-def token_usage(stats: GenerationStats) -> dict[str, int]:
+def token_usage(stats: GenerationStats) -> dict:
+    """OpenAI-style usage: the prompt's tokens read from the prompt cache are its `cached_tokens`."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
     }
 
 

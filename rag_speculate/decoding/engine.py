@@ -28,6 +28,7 @@ from .sampling import sample_token
 from .tree import DraftTree
 from .forward import TreeForward, kernel_context
 from .kv_cache import make_cache, sliding_window
+from .prompt_cache import PromptCache
 from .verify import verify
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -53,10 +54,14 @@ class SpeculativeEngine:
         draft_budget: int | None = None,
         name: str | None = None,
         fast_kernels: bool | None = None,
+        prompt_cache_bytes: int | None = None,
     ):
         """`fast_kernels`: decoding and verification forwards through faster CPU kernels
         (`rag_speculate.cpu`: linear layers, and bf16 attention); None uses them where they work
-        (fp32 on CPU, bf16 with AVX512-BF16), True requires them, False keeps torch's."""
+        (fp32 on CPU, bf16 with AVX512-BF16), True requires them, False keeps torch's.
+        `prompt_cache_bytes`: memory for the KV entries of prompts and answers seen before
+        (`prompt_cache.py`), reused by later requests that begin with the same tokens; None makes
+        room for some tens of thousands of tokens, 0 turns it off."""
         if draft_budget is not None and draft_budget < 0:
             raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget}")
         self.model = model.eval()
@@ -80,6 +85,7 @@ class SpeculativeEngine:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes)
         # Forward cost by tokens fed, timed on first use (building an engine should stay cheap);
         # assign one to skip the timing or to pin the curve.
         self.cost_model: CostModel | None = None
@@ -163,6 +169,9 @@ class SpeculativeEngine:
             output = OutputTracker(self.tokenizer, self.eos_token_ids, request.stop, request.max_new_tokens)
 
             cache = make_cache(self.model)
+            # At least the prompt's last token is fed: its logits give the first new token.
+            reused = self.prompt_cache.load(self.model, request.prompt_ids[:-1], cache)
+            stats.cached_prompt_tokens = reused
             tree_mode = self._tree_mode(cache, request)
             costs = self._cost_model(tree_mode)
             setup_started = time.perf_counter()
@@ -170,7 +179,7 @@ class SpeculativeEngine:
             stats.draft_setup_s = time.perf_counter() - setup_started
 
             prefill_started = time.perf_counter()
-            first = sample_token(self._forward.prefill(cache, request.prompt_ids), params, generator)
+            first = sample_token(self._forward.prefill(cache, request.prompt_ids[reused:]), params, generator)
             stats.prefill_s = time.perf_counter() - prefill_started
             stats.target_forwards = 1
             stats.time_to_first_token_s = time.perf_counter() - started
@@ -210,6 +219,9 @@ class SpeculativeEngine:
                     yield delta
             stats.decode_s = time.perf_counter() - decode_started
             stats.new_tokens = len(output.token_ids)
+            # Only now, with every entry computed: the cache holds the tokens' entries in order
+            # (and, where a stop string cut an accepted draft short, a few more).
+            self.prompt_cache.insert(self.model, tokens[: cache.get_seq_length()], cache)
             delta = output.delta()
             if delta:
                 yield delta

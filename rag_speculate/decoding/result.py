@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    # Of them, those whose KV entries came from the prompt cache rather than the prefill.
+    cached_prompt_tokens: int = 0
     new_tokens: int = 0
     # Prefill included: plain decoding needs exactly `new_tokens` of them.
     target_forwards: int = 0

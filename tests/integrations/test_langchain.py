@@ -62,6 +62,7 @@ def _finishes_within(seconds: float, work: Callable[[], object]) -> bool:
 
 
 def test_llm_invoke_stream_and_astream_agree_and_report_usage(llm):
+    llm.get_engine().prompt_cache.clear()
     result = llm.generate([COUNT_PROMPT])
     text, info = result.generations[0][0].text, result.generations[0][0].generation_info
     assert info["finish_reason"] == "length"
@@ -69,6 +70,7 @@ def test_llm_invoke_stream_and_astream_agree_and_report_usage(llm):
         "prompt_tokens": len(llm.get_token_ids(COUNT_PROMPT)),
         "completion_tokens": 10,
         "total_tokens": len(llm.get_token_ids(COUNT_PROMPT)) + 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert result.llm_output["token_usage"] == info["token_usage"]
     assert info["speculative_stats"]["new_tokens"] == 10
@@ -86,7 +88,9 @@ def test_llm_invoke_stream_and_astream_agree_and_report_usage(llm):
 
 def test_llm_usage_and_stats_agree_between_invoke_and_stream(llm):
     invoked, streamed = Recorder(), Recorder()
+    llm.get_engine().prompt_cache.clear()  # both calls start cold, so their usage is the same
     text = llm.invoke(COUNT_PROMPT, config={"callbacks": [invoked]})
+    llm.get_engine().prompt_cache.clear()
     assert "".join(llm.stream(COUNT_PROMPT, config={"callbacks": [streamed]})) == text
     for key in ("finish_reason", "token_usage", "model_name"):
         assert streamed.info[key] == invoked.info[key]
@@ -121,12 +125,25 @@ def test_llm_tracing_reports_the_provider(llm):
     assert llm._get_ls_params(max_new_tokens=5)["ls_max_tokens"] == 5
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(llm, chat):
+    llm.get_engine().prompt_cache.clear()
+    prompt_tokens = len(llm.get_token_ids(COUNT_PROMPT))
+    cached = [llm.generate([COUNT_PROMPT]).llm_output["token_usage"]["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+    assert cached == [0, prompt_tokens - 1]
+    messages = [SystemMessage("Answer briefly."), HumanMessage(QUESTION)]
+    first, second = chat.invoke(messages), chat.invoke(messages)
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert second.usage_metadata["input_token_details"]["cache_read"] == second.usage_metadata["input_tokens"] - 1
+
+
 # --- the chat model -----------------------------------------------------------------------
 
 
 def test_chat_usage_and_stats_agree_between_invoke_and_stream(chat):
     messages = [SystemMessage("Answer briefly."), HumanMessage(QUESTION)]
+    chat.get_engine().prompt_cache.clear()  # both calls start cold, so their usage is the same
     invoked = chat.invoke(messages)
+    chat.get_engine().prompt_cache.clear()
     streamed = None
     for chunk in chat.stream(messages):
         streamed = chunk if streamed is None else streamed + chunk

@@ -76,6 +76,13 @@ def test_metadata_reports_the_models_limits(llm, engine):
     assert metadata.num_output == 10 and metadata.is_chat_model and metadata.model_name == MODEL
 
 
+def test_a_repeated_query_reports_its_cached_tokens_in_the_raw_usage(llm, engine):
+    engine.prompt_cache.clear()
+    first, second = llm.complete(QUESTION), llm.complete(QUESTION)
+    assert first.raw["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second.raw["usage"]["prompt_tokens_details"]["cached_tokens"] == second.raw["usage"]["prompt_tokens"] - 1
+
+
 def test_completion_paths_agree_and_token_counting_sees_the_usage(engine):
     counter = TokenCountingHandler()
     llm = SpeculativeHFLLM(
@@ -101,7 +108,9 @@ def test_completion_paths_agree_and_token_counting_sees_the_usage(engine):
 
 def test_chat_uses_the_chat_template_streaming_or_not(llm, engine, stats):
     messages = [ChatMessage(role="system", content="Answer briefly."), ChatMessage(role="user", content=QUESTION)]
+    engine.prompt_cache.clear()  # both calls start cold, so their usage is the same
     chatted = llm.chat(messages)
+    engine.prompt_cache.clear()
     chunks = list(llm.stream_chat(messages))
     assert "".join(c.delta for c in chunks) == chunks[-1].message.content == chatted.message.content
     assert chatted.raw["usage"] == chunks[-1].raw["usage"]

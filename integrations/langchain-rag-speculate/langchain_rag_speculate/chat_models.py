@@ -131,6 +131,8 @@ def _usage_metadata(result: GenerationResult) -> UsageMetadata:
         input_tokens=usage["prompt_tokens"],
         output_tokens=usage["completion_tokens"],
         total_tokens=usage["total_tokens"],
+        # The prompt's tokens whose KV came from the prompt cache, as LangChain names a cache read.
+        input_token_details={"cache_read": usage["prompt_tokens_details"]["cached_tokens"]},
     )
 
 

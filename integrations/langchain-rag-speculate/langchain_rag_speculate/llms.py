@@ -49,6 +49,7 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
     def _llm_result(self, results: list[GenerationResult]) -> LLMResult:
         usage = [token_usage(r.stats) for r in results]
         total = {key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)}
         return LLMResult(
             generations=[[self._generation(r)] for r in results],
             llm_output={"token_usage": total, "model_name": self.model},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...decoding.request import check_int
 from ...errors import InvalidArgumentError
 
 
@@ -36,6 +37,9 @@ class OuroborosConfig:
     # Through the lean forward, the head scores only this many lowest ids plus the special ones and
     # each generation's prompt and documents (None: every id): the head is a large share of a small model.
     head_vocabulary: int | None = 32768
+    # Memory for the draft model's KV entries of prompts seen before (0: none; None: room for some
+    # tens of thousands of tokens): its own prefill of a long RAG prompt is reused as the target's is.
+    prompt_cache_bytes: int | None = None
 
     # How often the target takes a suffix candidate's next token, before any evidence.
     suffix_prior: float = 0.5
@@ -60,5 +64,7 @@ class OuroborosConfig:
         head = self.head_vocabulary
         if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 1):
             raise InvalidArgumentError(f"head_vocabulary must be an integer >= 1 or None, got {head!r}")
+        if self.prompt_cache_bytes is not None:
+            check_int(self.prompt_cache_bytes, "prompt_cache_bytes", 0)
         if self.min_score is not None and not 0 <= self.min_score <= 1:
             raise InvalidArgumentError(f"min_score must be in [0, 1] or None (from measured costs), got {self.min_score}")

@@ -18,6 +18,7 @@ from ...decoding.budget import CostModel
 from ...decoding.forward import TreeForward, kernel_context
 from ...decoding.kv_cache import keep_cache_entries, make_cache, sliding_window
 from ...decoding.output import eos_token_ids
+from ...decoding.prompt_cache import PromptCache
 from ...decoding.sampling import SamplingParams
 from ...decoding.tree import DraftTree
 from ...decoding.verify import Verification, accept
@@ -56,7 +57,8 @@ class DraftModel:
     """A draft model, its cache and its forwards; `lean=False` keeps the model's own forward."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, lean: bool, head_vocabulary: int | None, tree_budget: int
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, lean: bool, head_vocabulary: int | None,
+        tree_budget: int, prompt_cache_bytes: int | None,
     ):
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -77,11 +79,17 @@ class DraftModel:
         # The ids the draft's logits score, column by column, and each one's column; None: all ids.
         self._head_ids: list[int] | None = None
         self._column: dict[int, int] = {}
+        # The draft model's own prefill of each prompt is reused as the target's is.
+        self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes)
+        self.cached: list[int] = []  # the tokens whose keys and values the cache holds
         self.reset()
 
     def reset(self) -> None:
+        """A fresh cache; what the last one held (prompt and drafted-on output) goes to the prompt cache."""
+        if self.cached:
+            self.prompt_cache.insert(self.model, self.feedable(self.cached), self.cache)
         self.cache = make_cache(self.model)
-        self.cached: list[int] = []  # the tokens whose keys and values the cache holds
+        self.cached = []
 
     def attach(self, vocab_size: int) -> None:
         # Embedding tables may be padded past the tokenizer differently: propose only ids both embed.
@@ -106,7 +114,9 @@ class DraftModel:
         return self.cost_model
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
-        self.forward.prefill(self.cache, self.feedable(prompt_ids))
+        fed = self.feedable(prompt_ids)
+        reused = self.prompt_cache.load(self.model, fed[:-1], self.cache)
+        self.forward.prefill(self.cache, fed[reused:])
         self.cached = list(prompt_ids)
 
     def feedable(self, ids: Sequence[int]) -> list[int]:

@@ -98,7 +98,7 @@ class OuroborosDrafter(Drafter):
             )
         self.draft = DraftModel(
             draft_model, draft_tokenizer, lean=config.lean, head_vocabulary=config.head_vocabulary,
-            tree_budget=config.draft_tree_budget,
+            tree_budget=config.draft_tree_budget, prompt_cache_bytes=config.prompt_cache_bytes,
         )  # fmt: skip
         self._floor = self._score_floor(None)
         # Seconds the last `propose` spent, so a caller can judge whether the draft model pays for itself.

@@ -4,7 +4,7 @@ For each token the pool keeps at most `W` phrases (tuples of 2 to `beta` token i
 it and replaces the least recently used when full; adding a phrase again refreshes it. Memory is
 therefore bounded by `W` phrases per token of the vocabulary, whatever is fed. A pool outlives
 generations (the paper's warm start) and can be saved to a versioned JSON file tied to the
-tokenizer its ids come from.
+tokenizer its ids come from, written in one rename, every field checked against a schema on loading.
 """
 
 from __future__ import annotations
@@ -22,13 +22,23 @@ from transformers import PreTrainedTokenizerBase
 
 from ...retrieval.datastore import tokenizer_fingerprint
 from ...errors import InvalidArgumentError, RagSpeculateError
-from ...files import atomic_write_bytes
+from ...files import SHA256, FieldError, atomic_write_bytes, fields, integer, list_of, load_json
 
 Phrase = tuple[int, ...]
 
 FORMAT_VERSION = 1
 _FORMAT = "rag-speculate-phrase-pool"
-_FIELDS = {"format", "format_version", "W", "beta", "tokenizer_fingerprint", "count", "phrases_sha256", "phrases"}
+# Every field loading reads, with its type and range; `format` and `format_version` are checked first.
+_FILE = fields(
+    {
+        "W": integer(1),
+        "beta": integer(2),
+        "tokenizer_fingerprint": SHA256,
+        "count": integer(0),
+        "phrases_sha256": SHA256,
+        "phrases": list_of(list_of(integer(0))),
+    }
+)
 _FIX_HINT = (
     "delete it and start from an empty PhrasePool (a saved pool only speeds the first drafts up), "
     "or save a new one with pool.save(path, tokenizer)"
@@ -154,7 +164,7 @@ class PhrasePool:
             pool = cls(data["W"], data["beta"])
             for phrase in data["phrases"]:
                 pool.add(phrase)
-        except (InvalidArgumentError, TypeError) as error:
+        except InvalidArgumentError as error:  # a phrase of the wrong length for the file's beta
             raise _damaged(path, f"it holds an invalid entry ({error})") from None
         vocab = len(tokenizer)
         if any(max(phrase) >= vocab for phrase in data["phrases"]):
@@ -167,17 +177,19 @@ def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise PhrasePoolError(f"phrase pool {path} does not exist; save one with pool.save(path, tokenizer) first")
     try:
-        data = json.loads(path.read_bytes())
+        data = load_json(path.read_bytes())
     except ValueError:  # UnicodeDecodeError is one
         raise _damaged(path, "it is truncated or corrupt (not valid JSON)") from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         raise _damaged(path, "it is not a rag-speculate phrase pool")
-    if data.get("format_version") != FORMAT_VERSION:
+    if data.get("format_version") != FORMAT_VERSION or type(data["format_version"]) is not int:
         raise _damaged(
             path, f"it has format version {data.get('format_version')!r}, this rag-speculate reads {FORMAT_VERSION}"
         )
-    if not _FIELDS <= data.keys() or not isinstance(data["phrases"], list):
-        raise _damaged(path, "it is corrupt (fields missing)")
+    try:
+        _FILE(data, "")
+    except FieldError as error:
+        raise _damaged(path, str(error)) from None
     if data["count"] != len(data["phrases"]) or data["phrases_sha256"] != _digest(data["phrases"]):
         raise _damaged(path, "its phrases do not match their count and checksum (corrupted on disk)")
     return data
