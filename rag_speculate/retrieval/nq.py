@@ -21,6 +21,7 @@ _FILE = "nq_open_oracle.jsonl.gz"
 class Question:
     question: str
     answers: list[str]
+    title: str = ""  # the article its gold passage comes from
 
 
 @cache
@@ -41,4 +42,4 @@ def nq_documents() -> list[Document]:
 
 
 def nq_questions() -> list[Question]:
-    return [Question(row["question"], list(row["answers"])) for row in _rows()]
+    return [Question(row["question"], list(row["answers"]), row["ctxs"][0]["title"]) for row in _rows()]
