@@ -25,6 +25,7 @@ from .output import OutputTracker, eos_token_ids
 from .result import GenerationResult, GenerationStats, GenerationStream, run_to_end
 from .request import Request, check_int, check_messages, check_not_bytes, check_seed, check_text, sampling_params, stop_strings
 from .sampling import sample_token
+from .tool_calls import check_tools, tool_documents
 from .tree import DraftTree
 from .forward import TreeForward, kernel_context
 from .kv_cache import make_cache, sliding_window
@@ -142,17 +143,21 @@ class SpeculativeEngine:
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         chat: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> Request:
         """A generation's arguments, checked and tokenized; a bad one raises `InvalidArgumentError` naming it.
 
         `prompt` is text, token ids, or (with `chat=True`) a list of {"role", "content"} messages
         (roles system, user, assistant, tool; the last turn a user's or a tool's); `documents`
         (text or token ids) feed the drafters only, never the prompt. `temperature=0` is greedy;
-        `seed` makes sampling repeatable.
+        `seed` makes sampling repeatable. `tools` (OpenAI function format, with `chat=True`) reach the
+        chat template; their schemas and the tool results in the history also feed the drafters, since
+        a call's arguments and an answer over tool results copy from them (`tool_calls.parse_tool_calls`
+        reads the calls back out of the answer).
         """
         request = Request(
-            prompt_ids=self.encode_prompt(prompt, chat=chat),
-            document_ids=self._document_ids(documents),
+            prompt_ids=self.encode_prompt(prompt, chat=chat, tools=tools),
+            document_ids=self._document_ids(documents) + self._document_ids(self._tool_documents(prompt, tools, chat)),
             max_new_tokens=check_int(max_new_tokens, "max_new_tokens", 1),
             sampling=sampling_params(temperature, top_p, top_k),
             stop=stop_strings(stop),
@@ -255,28 +260,38 @@ class SpeculativeEngine:
 
     # --- turning user input into token ids -------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        """The token ids `generate` would use for this prompt."""
+    def encode_prompt(self, prompt: Prompt, *, chat: bool = False, tools: Sequence[dict] | None = None) -> list[int]:
+        """The token ids `generate` would use for this prompt (and these tools, with `chat=True`)."""
         check_not_bytes(prompt, "prompt")
+        if tools is not None and not chat:
+            raise InvalidArgumentError("tools= reach the model through its chat template: they need chat=True")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError("prompt is empty")
             check_text(prompt, "prompt")
             if chat:
-                return self._chat_ids([{"role": "user", "content": prompt}])
+                return self._chat_ids([{"role": "user", "content": prompt}], tools)
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, Sequence) or not prompt:
             raise InvalidArgumentError("prompt must be a non-empty string, list of token ids or list of chat messages")
         if all(isinstance(m, dict) for m in prompt):
             if not chat:
                 raise InvalidArgumentError("a list of chat messages as prompt needs chat=True")
-            return self._chat_ids(list(prompt))
+            return self._chat_ids(list(prompt), tools)
         return self._token_ids(prompt, "prompt")
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: Sequence[dict] | None = None) -> list[int]:
         check_messages(messages)
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if tools is not None and "tools" not in (self.tokenizer.chat_template or ""):
+            raise InvalidArgumentError(f"{self.name}'s chat template takes no tools: pick a model whose template renders them")
+        extra = {"tools": check_tools(tools)} if tools is not None else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _tool_documents(prompt: Prompt, tools: Sequence[dict] | None, chat: bool) -> list[str]:
+        messages = prompt if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) else []
+        return tool_documents(tools, [m for m in messages if isinstance(m, dict)])
 
     def _token_ids(self, ids: Sequence[Any], what: str) -> list[int]:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

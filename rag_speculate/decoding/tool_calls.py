@@ -1,0 +1,107 @@
+"""Tool calling: the tools a chat template is given, and the calls a model's answer makes.
+
+Models write a call in one of a few shapes: Hermes and Qwen templates ask for
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one tag per call); small models often
+answer with the same JSON object bare or in a fenced block. `parse_tool_calls` reads all three and
+returns the calls and the text around them; text that looks like a call but is not valid JSON comes
+back as content, with the reason.
+
+    >>> parse_tool_calls('<tool_call>\\n{"name": "search", "arguments": {"query": "warranty"}}\\n</tool_call>').calls
+    [ToolCall(name='search', arguments={'query': 'warranty'}, id='call_0')]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCED = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str
+
+
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    calls: list[ToolCall] = field(default_factory=list)
+    # The answer's text without the calls.
+    content: str = ""
+    # Why text that looked like a call was not parsed as one ("" when nothing went wrong).
+    error: str = ""
+
+
+def parse_tool_calls(text: str) -> ParsedToolCalls:
+    """The tool calls in a model's answer, in the order written, and the text around them."""
+    tagged = _TAGGED.findall(text)
+    if tagged:
+        return _calls(tagged, _TAGGED.sub("", text).strip(), text)
+    fenced = _FENCED.findall(text)
+    if fenced and all(_looks_like_call(body) for body in fenced):
+        return _calls(fenced, _FENCED.sub("", text).strip(), text)
+    stripped = text.strip()
+    if stripped.startswith("{") and _looks_like_call(stripped):
+        return _calls([stripped], "", text)
+    return ParsedToolCalls(content=text)
+
+
+def _looks_like_call(body: str) -> bool:
+    return '"name"' in body and '"arguments"' in body
+
+
+def _calls(bodies: Sequence[str], rest: str, text: str) -> ParsedToolCalls:
+    calls = []
+    for i, body in enumerate(bodies):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return ParsedToolCalls(content=text, error=f"tool call {i} is not valid JSON: {exc.msg} at character {exc.pos}")
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            return ParsedToolCalls(content=text, error=f"tool call {i} needs a string 'name' and an object 'arguments'")
+        calls.append(ToolCall(call["name"], arguments, f"call_{i}"))
+    return ParsedToolCalls(calls, rest)
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """Tools in OpenAI's function format, each with a name and a JSON Schema object of parameters;
+    anything else is refused here, naming the tool, rather than rendered into a prompt."""
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+        raise InvalidArgumentError(f"tools must be a list of OpenAI-format function tools, got {type(tools).__name__}")
+    names = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise InvalidArgumentError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}} '
+                                       "with a name of letters, digits, '_', '.' or '-'")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object" or not isinstance(
+            parameters.get("properties", {}), dict
+        ):
+            raise InvalidArgumentError(f"tool {name!r}: parameters must be a JSON Schema object with 'properties'")
+        if name in names:
+            raise InvalidArgumentError(f"tool {name!r} is given twice")
+        names.add(name)
+    return list(tools)
+
+
+def tool_documents(tools: Sequence[dict] | None, messages: Sequence[dict]) -> list[str]:
+    """What a call's arguments and an answer over tool results copy from: the tools' schemas and the
+    tool results in the history, as documents for the drafters."""
+    schemas = [json.dumps(tool, ensure_ascii=False) for tool in tools or ()]
+    return schemas + [m["content"] for m in messages if m.get("role") == "tool" and m.get("content")]
