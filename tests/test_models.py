@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rag_speculate import files
 from rag_speculate.models import converted_cache, gguf_file
 from rag_speculate.errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
 from rag_speculate.models.packaged import cache_dir, converted_dir, gguf_path, is_packaged_model, load_packaged_model, MANIFEST_NAME, packaged_model_names, PACKAGED_MODELS, PackagedModel, WEIGHTS_NAME
@@ -122,7 +123,7 @@ def test_verified_file_is_not_rehashed(monkeypatch: pytest.MonkeyPatch, tmp_path
     def no_hashing(_: Path) -> str:
         raise AssertionError("verified file was hashed again")
 
-    monkeypatch.setattr(gguf_file, "sha256_file", no_hashing)
+    monkeypatch.setattr(files, "sha256_file", no_hashing)
     assert gguf_path(SMOL) == path
 
 

@@ -4,7 +4,9 @@ transformers dequantizes every tensor of a GGUF file at each load, which is slow
 load per (model, dtype) saves the result as ``<cache>/<name>-<dtype>/`` with a manifest, and every
 later load is a plain ``from_pretrained``. The folder is written under a temporary name, checked to
 reload to bit-identical tensors, and renamed into place, so an interrupted run never leaves a
-partial cache that looks complete; a cache that fails validation is rebuilt.
+partial cache that looks complete. Before it is loaded, every file in it must match the size and
+sha256 its manifest records (hashed once per process), and nothing else may be there; a cache that
+fails is rebuilt.
 """
 
 from __future__ import annotations
@@ -25,7 +27,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .gguf_file import Progress, gguf_path, logger, report
 from .registry import PackagedModel, cache_dir, resolve
 from ..errors import InvalidArgumentError, ModelPackageError
-from ..files import fsync_dir, sha256_file, sibling, write_new_file
+from ..files import (
+    SHA256,
+    FieldError,
+    fields,
+    fsync_dir,
+    integer,
+    load_json,
+    mapping,
+    recover,
+    replace_dir,
+    sha256_once,
+    sibling,
+    text,
+    write_new_file,
+)
 
 # Bump when the converted-cache layout changes so old caches get rebuilt.
 CACHE_FORMAT_VERSION = 1
@@ -33,8 +49,18 @@ MANIFEST_NAME = "rag_speculate_manifest.json"
 WEIGHTS_NAME = "model.safetensors"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Errors that a damaged safetensors/config/tokenizer file can raise on load.
+# Errors that a damaged safetensors/config file can raise on load.
 _CACHE_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, SafetensorError)
+# Every manifest field loading reads; a file name is a plain name inside the folder.
+_MANIFEST = fields(
+    {
+        "format_version": integer(0),
+        "model": text(),
+        "gguf_sha256": SHA256,
+        "dtype": text(),
+        "files": mapping(text(r"[\w][\w.-]*"), fields({"size": integer(0), "sha256": SHA256})),
+    }
+)
 
 
 def load_packaged_model(
@@ -89,6 +115,7 @@ def _load_converted_or_none(
     folder: Path, spec: PackagedModel, dtype: torch.dtype, progress: Progress | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
     """Load the safetensors cache, or None (after a warning) if it is unusable."""
+    recover(folder)  # a replacement killed halfway leaves the previous cache aside
     if not folder.exists():
         return None
     problem = _manifest_problem(folder, spec, dtype)
@@ -108,9 +135,12 @@ def _load_cached(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pre
         model, info = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, local_files_only=True, output_loading_info=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except _CACHE_LOAD_ERRORS as exc:
         raise _UnusableCache(f"loading failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot read
+        raise _UnusableCache(f"loading the tokenizer failed: {type(exc).__name__}: {exc}") from exc
     # transformers only warns about missing or unexpected weights; here they mean
     # randomly initialised layers, e.g. a tied weight that was not re-tied.
     bad = {kind: sorted(keys) for kind, keys in info.items() if kind != "error_msgs" and keys}
@@ -120,29 +150,38 @@ def _load_cached(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pre
 
 
 def _manifest_problem(folder: Path, spec: PackagedModel, dtype: torch.dtype) -> str | None:
-    """Why the cache in ``folder`` cannot be trusted, or None if it looks complete."""
+    """Why the cache in ``folder`` cannot be trusted, or None if every file is the one written."""
     try:
-        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+        manifest = load_json((folder / MANIFEST_NAME).read_bytes())
+        _MANIFEST(manifest, "")
     except (OSError, ValueError) as exc:
         return f"manifest unreadable: {exc}"
+    except FieldError as exc:
+        return f"manifest {exc}"
     expected = {
         "format_version": CACHE_FORMAT_VERSION,
         "gguf_sha256": spec.sha256,
         "dtype": _dtype_name(dtype),
     }
     for key, value in expected.items():
-        if manifest.get(key) != value:
-            return f"manifest {key} is {manifest.get(key)!r}, expected {value!r}"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
+        if manifest[key] != value:
+            return f"manifest {key} is {manifest[key]!r}, expected {value!r}"
+    files = manifest["files"]
+    if WEIGHTS_NAME not in files:
         return "manifest lists no weights file"
-    # Sizes catch truncation cheaply; hashing gigabytes on every load would not be.
+    # transformers reads whatever else is in the folder (a chat template, a tokenizer's extra files).
+    present = {path.name for path in folder.iterdir()} - {MANIFEST_NAME}
+    if present != files.keys():
+        return f"the folder holds {sorted(present)}, the manifest lists {sorted(files)}"
+    # Sizes first, which find a truncated file without reading it; then every byte, since a same-size
+    # change would load other weights silently.
     for file_name, entry in files.items():
-        path = folder / file_name
-        if not path.is_file():
-            return f"{file_name} is missing"
-        if path.stat().st_size != entry.get("size"):
-            return f"{file_name} has size {path.stat().st_size}, expected {entry.get('size')}"
+        size = (folder / file_name).stat().st_size
+        if size != entry["size"]:
+            return f"{file_name} has size {size}, expected {entry['size']}"
+    for file_name, entry in files.items():
+        if sha256_once(folder / file_name) != entry["sha256"]:
+            return f"{file_name} does not match its sha256"
     return None
 
 
@@ -184,6 +223,7 @@ def _write_converted(
     dtype: torch.dtype,
 ) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
+    recover(folder)  # leftovers of killed conversions
     tmp = sibling(folder, "tmp")
     tmp.mkdir()
     try:
@@ -196,7 +236,7 @@ def _write_converted(
         files = {}
         for path in sorted(tmp.iterdir()):
             _fsync_file(path)
-            files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            files[path.name] = {"size": path.stat().st_size, "sha256": sha256_once(path)}
         manifest = {
             "format_version": CACHE_FORMAT_VERSION,
             "model": spec.name,
@@ -277,16 +317,11 @@ def _fsync_file(path: Path) -> None:
 
 
 def _swap_in(tmp: Path, folder: Path) -> None:
-    """Atomically replace ``folder`` (if any) with the finished ``tmp`` folder."""
-    old = sibling(folder, "old")
-    if folder.exists():
-        os.rename(folder, old)
+    """Replace ``folder`` (if any) with the finished ``tmp`` folder."""
     try:
-        os.rename(tmp, folder)
+        replace_dir(tmp, folder)
     except OSError:
         # Another process finished the same conversion first; its copy is equivalent.
         if not folder.exists():
             raise
         logger.info("model cache %s was written concurrently; keeping that copy", folder)
-    shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(folder.parent)

@@ -1,25 +1,23 @@
 """A packaged model's GGUF file: found in its distributions, assembled from parts, sha256-verified.
 
 A split model's parts are concatenated into ``<cache>/gguf/<name>.gguf``; a whole-file model is
-verified where pip installed it instead of copied. A small JSON marker records the verified file's
-size and mtime, so a file of gigabytes is hashed once rather than at every load.
+verified where pip installed it instead of copied. The file is hashed once per process: it is only
+read to convert it into the cache, which takes far longer than hashing it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from .registry import PackagedModel, cache_dir, resolve
 from ..errors import ModelPackageError
-from ..files import atomic_write_bytes, fsync_dir, sha256_file, sibling
+from ..files import fsync_dir, recover, sha256_once, sibling
 
 # One logger for every step of loading a packaged model, whichever module takes it.
 logger = logging.getLogger("rag_speculate.models.packaged")
@@ -38,23 +36,20 @@ def gguf_path(name: str | PackagedModel, *, progress: Progress | None = None) ->
     distribution is missing or the checksum does not match.
     """
     spec = resolve(name)
-    marker = _gguf_dir() / f"{spec.name}.verified.json"
     if len(spec.distributions) > 1:
         target = _gguf_dir() / f"{spec.name}.gguf"
-        if _marker_matches(marker, target, spec.sha256):
+        recover(target)  # a killed assembly's temporary file
+        if target.is_file() and sha256_once(target) == spec.sha256:
             return target
         parts = _model_files(spec)
         report(progress, f"assembling {spec.name} ({len(parts)} parts) into {target}")
         _assemble(parts, target, spec)
-    else:
-        (target,) = _model_files(spec)
-        if _marker_matches(marker, target, spec.sha256):
-            return target
-        report(progress, f"verifying sha256 of {target.name}")
-        actual = sha256_file(target)
-        if actual != spec.sha256:
-            raise _checksum_error(spec, actual)
-    _write_marker(marker, target, spec.sha256)
+        return target
+    (target,) = _model_files(spec)
+    report(progress, f"verifying sha256 of {target.name}")
+    actual = sha256_once(target)
+    if actual != spec.sha256:
+        raise _checksum_error(spec, actual)
     return target
 
 
@@ -129,21 +124,3 @@ def _assemble(parts: list[Path], target: Path, spec: PackagedModel) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(target.parent)
-
-
-def _file_identity(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def _marker_matches(marker: Path, target: Path, sha256: str) -> bool:
-    """Whether ``target`` was verified before and has not changed since."""
-    try:
-        recorded = json.loads(marker.read_text())
-        return recorded == {"sha256": sha256, **_file_identity(target)}
-    except (OSError, ValueError):
-        return False
-
-
-def _write_marker(marker: Path, target: Path, sha256: str) -> None:
-    atomic_write_bytes(marker, json.dumps({"sha256": sha256, **_file_identity(target)}).encode())

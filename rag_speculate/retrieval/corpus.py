@@ -10,8 +10,9 @@ Built once from a corpus (`CorpusIndex.build`, or `rag-speculate index`):
 - the whole documents' token ids make a REST datastore (`datastore.py`) in the same folder.
 
 A manifest (`index_format.py`) records what built the folder and lets loading refuse a mismatched
-tokenizer or embedding model; rebuilding with the same inputs does nothing; a build is staged
-beside the folder and renamed into place, so an interrupted one leaves the previous index intact.
+tokenizer or embedding model, or any file that disagrees with it or with the others; rebuilding
+with the same inputs does nothing; a build is staged beside the folder and renamed into place, so
+an interrupted one leaves the previous index (`files.replace_dir`, `files.recover`).
 
 This module also re-exports the corpus names users import from here.
 """
@@ -31,11 +32,19 @@ from . import index_format as fmt
 from .chunking import ChunkingOptions, chunk_document
 from .datastore import Datastore, DatastoreError
 from .documents import Chunk, Document, read_corpus
-from .embedding import BGE_EMBEDDING, BGE_QUERY_INSTRUCTION, PACKAGED_EMBEDDING, Embedder, load_embedder, packaged_embedding_path
+from .embedding import (
+    BGE_EMBEDDING,
+    BGE_QUERY_INSTRUCTION,
+    PACKAGED_EMBEDDING,
+    Embedder,
+    embedding_named_by,
+    load_embedder,
+    packaged_embedding_path,
+)
 from .index_format import FORMAT_VERSION, MANIFEST, CorpusIndexError
 from .rag import RAG_SYSTEM_PROMPT, drafting_documents, rag_messages
 from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import fsync_dir, replace_dir, sibling, write_new_file
+from ..files import fsync_dir, recover, replace_dir, sibling, write_new_file
 
 __all__ = [
     "BGE_EMBEDDING",
@@ -61,17 +70,25 @@ __all__ = [
 class CorpusIndex:
     """A built index, loaded: `search` for chunks, `datastore` for the REST drafter."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], embedder: Embedder, vectors: Any, datastore: Datastore):
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        embedder: Embedder,
+        vectors: Any,
+        datastore: Datastore,
+        chunks: list[dict[str, Any]],
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+    ):
         self.path = path
         self.manifest = manifest
         self.embedder = embedder
         self.datastore = datastore
         self._vectors = vectors
-        self._chunks = [json.loads(line) for line in (path / fmt.CHUNKS).read_text(encoding="utf-8").splitlines()]
-        self._tokens = np.load(path / fmt.CHUNK_TOKENS, mmap_mode="r", allow_pickle=False)
-        self._offsets = np.load(path / fmt.CHUNK_OFFSETS, allow_pickle=False)
-        if len(self._chunks) != len(self._offsets) - 1 or vectors.ntotal != len(self._chunks):
-            raise fmt.damaged(path, "its chunk, token and vector counts disagree")
+        self._chunks = chunks
+        self._tokens = tokens
+        self._offsets = offsets
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -101,6 +118,7 @@ class CorpusIndex:
         embedder = embedder if isinstance(embedder, Embedder) else load_embedder(embedder)
         say = log or (lambda _message: None)
         build_key = fmt.build_key(documents, tokenizer, embedder, options)
+        recover(out)
         if (out / MANIFEST).is_file():
             try:
                 existing = cls.load(out, tokenizer=tokenizer, embedder=embedder)
@@ -182,16 +200,19 @@ class CorpusIndex:
     ) -> CorpusIndex:
         """Open an index; with `tokenizer` (the target's), refuse one built for other token ids.
 
-        The embedding model is the manifest's unless `embedder` is given, which must then be
-        the same weights: vectors of another model are meaningless to this index.
+        The embedding model is the one the manifest names, loaded by that name (the packaged
+        model or a hub id; an index built from a folder needs `embedder`), unless `embedder` is
+        given, which must then be the same weights: vectors of another model are meaningless to
+        this index. Every file is checked against the manifest and the others before use.
         """
         path = Path(path)
+        recover(path)
         manifest = fmt.read_manifest(path)
         if tokenizer is not None:
             fmt.check_tokenizer(path, manifest, tokenizer)
         built_with = manifest["embedding"]
         if not isinstance(embedder, Embedder):
-            embedder = load_embedder(embedder or built_with["name"])
+            embedder = load_embedder(embedding_named_by(path, built_with["name"]) if embedder is None else embedder)
         if embedder.fingerprint != built_with["fingerprint"]:
             raise CorpusIndexError(
                 f"index {path} was built with embedding model {built_with['name']!r}, not {embedder.name!r} "
@@ -200,16 +221,16 @@ class CorpusIndex:
         embedder.query_instruction = built_with["query_instruction"]
         for name in fmt.CHECKED_FILES:
             fmt.check_file(path, name, manifest["files"][name])
-        import faiss
-
-        vectors = faiss.deserialize_index(np.frombuffer((path / fmt.VECTORS).read_bytes(), dtype=np.uint8))
-        if manifest["options"]["ivf_lists"]:
-            faiss.extract_index_ivf(vectors).nprobe = manifest["options"]["ivf_probe"]
+        # The checksums only say the files are as written: whether they fit together is checked too.
+        chunks = fmt.read_chunks(path, manifest)
+        tokens, offsets = fmt.read_chunk_arrays(path, manifest)
+        vectors = fmt.read_vectors(path, manifest)
         try:
             datastore = Datastore.load(path / fmt.DATASTORE, tokenizer)
         except DatastoreError as error:
             raise fmt.damaged(path, str(error)) from None
-        return cls(path, manifest, embedder, vectors, datastore)
+        fmt.check_datastore(path, manifest, datastore)
+        return cls(path, manifest, embedder, vectors, datastore, chunks, tokens, offsets)
 
     # --- querying ---------------------------------------------------------------------------
 

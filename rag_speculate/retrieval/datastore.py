@@ -203,10 +203,11 @@ class Datastore:
         """Open a saved datastore, its arrays memory-mapped (read from disk as retrieval needs them).
 
         With a `tokenizer`, refuses a datastore built with another one (a datastore built from
-        token ids without a tokenizer records none and cannot be checked). Sizes and shapes are
-        always checked; `verify=True` also compares every array's sha256 with the header's. That
-        reads the whole datastore once, which costs far less than loading a model, so it is on by
-        default.
+        token ids without a tokenizer records none and cannot be checked). The header's fields,
+        the arrays' sizes, shapes and lengths are always checked; `verify=True` also compares every
+        array's sha256 with the header's and checks what retrieval relies on (ids within the
+        vocabulary, positions within documents). That reads the whole datastore once, which costs
+        far less than loading a model, so it is on by default.
         """
         path = Path(path)
         header, arrays = fmt.read_folder(path, tokenizer, verify)

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .datastore_format import DatastoreError
+from .datastore_format import SEPARATOR, DatastoreError
 from ..errors import InvalidArgumentError
 
-SEPARATOR = -1
 INT32_MAX = int(np.iinfo(np.int32).max)  # token ids and positions are stored as int32
 # Below this many candidates one vectorised gather beats more steps of a Python binary search.
 _GATHER_LIMIT = 256
