@@ -32,6 +32,7 @@ from rag_speculate import (
     DraftContext,
     Drafter,
     NGramTrieDrafter,
+    OuroborosConfig,
     OuroborosDrafter,
     PhrasePool,
     RESTDrafter,
@@ -143,9 +144,12 @@ class ForwardCounter:
 
 def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], budget: int | None = None,
                   before: Callable[[], None] | None = None, fast: bool = True) -> Method:
-    """Our engine with `drafter` on the same model (and, with the same kernels, the same measured cost curve)."""
+    """Our engine with `drafter` on the same model (and, with the same kernels, the same measured cost curve).
+
+    Without a prompt cache: every method prefills every prompt whole, so the runs compare decoding
+    alone (`prompt_cache_bench.py` measures the cache)."""
     ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name,
-                             fast_kernels=fast and engine.fast_kernels)
+                             fast_kernels=fast and engine.fast_kernels, prompt_cache_bytes=0)
     if ours.fast_kernels == engine.fast_kernels:
         ours.cost_model = engine.cost_model
 
@@ -228,7 +232,7 @@ def _method(name: str, budget: int | None, engine: SpeculativeEngine, datastore:
     if name == "trie+rest":
         return ours([NGramTrieDrafter(), RESTDrafter(need("--datastore", datastore))])
     if name in ("ouroboros", "ouroboros-warm", "combined"):
-        ouroboros = OuroborosDrafter(*need("--draft-model", draft))
+        ouroboros = OuroborosDrafter(*need("--draft-model", draft), OuroborosConfig(prompt_cache_bytes=0))
 
         def cold() -> None:
             # Without warm start every item starts from an empty pool; with it (the paper's Table 2
