@@ -26,6 +26,9 @@ TEMPLATE = (
         ('```json\n{"name": "search", "arguments": {"query": "water damage"}}\n```', [ToolCall("search", {"query": "water damage"}, "call_0")], ""),
         ('{"name": "search", "arguments": "{\\"query\\": \\"q\\"}"}', [ToolCall("search", {"query": "q"}, "call_0")], ""),
         ("The warranty covers parts for two years.", [], "The warranty covers parts for two years."),
+        # The packaged Qwen2.5-Coder's template shows the format with doubled braces, and the model copies them.
+        ('<tool_call>\n{{"name": "search", "arguments": {"query": "q"}}}}\n</tool_call>', [ToolCall("search", {"query": "q"}, "call_0")], ""),
+        ('Searching. {{"name": "search", "arguments": {"query": "q"}}} Done.', [ToolCall("search", {"query": "q"}, "call_0")], "Searching.  Done."),
         ('```json\n{"answer": 42}\n```', [], '```json\n{"answer": 42}\n```'),
     ],
 )
@@ -45,6 +48,24 @@ def test_calls_are_read_in_every_shape_models_write_them(text, calls, content):
 def test_a_malformed_call_comes_back_as_content_with_the_reason(text, error):
     parsed = parse_tool_calls(text)
     assert parsed.calls == [] and parsed.content == text and error in parsed.error
+
+
+@pytest.mark.parametrize(
+    "text,calls,content",
+    [
+        # What the packaged Qwen2.5-Coder-1.5B wrote, its template showing the format as {{"name": ...}}.
+        ('{{"name": "search_passages", "arguments": {"query": "Nobel"}}}}', [("search_passages", {"query": "Nobel"})], ""),
+        ('{{"name": "search_passages", "arguments": {"query": "q"}}}', [("search_passages", {"query": "q"})], ""),
+        ('Let me look.\n<tool_call>\n{{"name": "a", "arguments": {}}}\n</tool_call>', [("a", {})], "Let me look."),
+        ('{{"name": "a", "arguments": {}}}\n{{"name": "b", "arguments": "{\\"x\\": 1}"}}', [("a", {}), ("b", {"x": 1})], ""),
+        ('{{"name": "a", "arguments": {"q": }}}', [], '{{"name": "a", "arguments": {"q": }}}'),
+        ("Use {{name}} here.", [], "Use {{name}} here."),
+    ],
+)
+def test_calls_with_doubled_braces_are_read_too(text, calls, content):
+    parsed = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls and parsed.content == content
+    assert [c.id for c in parsed.calls] == [f"call_{i}" for i in range(len(calls))]
 
 
 @pytest.mark.parametrize(

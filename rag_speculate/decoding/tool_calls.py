@@ -22,6 +22,10 @@ from ..errors import InvalidArgumentError
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FENCED = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
+# Where a call written without tags begins: a JSON object whose first key is "name". Some templates
+# (the packaged Qwen2.5-Coder's) show the format with doubled braces, as in a Python format string,
+# and models copy them: `{{"name": ..., "arguments": {...}}}`.
+_BARE = re.compile(r'\{\{?\s*"name"')
 
 
 @dataclass(frozen=True)
@@ -46,23 +50,44 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     if tagged:
         return _calls(tagged, _TAGGED.sub("", text).strip(), text)
     fenced = _FENCED.findall(text)
-    if fenced and all(_looks_like_call(body) for body in fenced):
+    if fenced and all(_BARE.match(body) for body in fenced):
         return _calls(fenced, _FENCED.sub("", text).strip(), text)
-    stripped = text.strip()
-    if stripped.startswith("{") and _looks_like_call(stripped):
-        return _calls([stripped], "", text)
-    return ParsedToolCalls(content=text)
+    bodies, rest, position = [], [], 0
+    for match in _BARE.finditer(text):
+        if match.start() < position:
+            continue
+        end = _object_end(text, match.start())
+        if end is None:
+            return ParsedToolCalls(content=text, error=f"tool call {len(bodies)} is not valid JSON")
+        bodies.append(text[match.start() : end])
+        rest.append(text[position : match.start()])
+        position = end
+    if not bodies:
+        return ParsedToolCalls(content=text)
+    rest.append(text[position:])
+    return _calls(bodies, "".join(rest).strip(), text)
 
 
-def _looks_like_call(body: str) -> bool:
-    return '"name"' in body and '"arguments"' in body
+def _object_end(text: str, start: int) -> int | None:
+    """Where the JSON object at `start` ends, past any closing braces a doubled opening one brought."""
+    doubled = text.startswith("{{", start)
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start + doubled)
+    except json.JSONDecodeError:
+        return None
+    while doubled and end < len(text) and text[end] == "}":
+        end += 1
+    return end
 
 
 def _calls(bodies: Sequence[str], rest: str, text: str) -> ParsedToolCalls:
     calls = []
     for i, body in enumerate(bodies):
+        body = body.strip()
         try:
-            call = json.loads(body)
+            call, end = json.JSONDecoder().raw_decode(body, 1 if body.startswith("{{") else 0)
+            if body[end:].strip().strip("}"):
+                raise json.JSONDecodeError("text after the call", body, end)
         except json.JSONDecodeError as exc:
             return ParsedToolCalls(content=text, error=f"tool call {i} is not valid JSON: {exc.msg} at character {exc.pos}")
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None

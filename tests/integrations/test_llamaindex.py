@@ -4,6 +4,10 @@ with the small packaged model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+import importlib
+import json
 import threading
 from collections.abc import Sequence
 
@@ -12,21 +16,28 @@ import pytest
 import torch
 from langchain_rag_speculate import SpeculativeHFLLM as LangChainLLM
 from llama_index.core import PromptTemplate, StorageContext, VectorStoreIndex
-from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole
+from llama_index.core.agent.workflow import FunctionAgent, ToolCall, ToolCallResult
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, ToolCallBlock
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.function_program import get_function_tool
 from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.core.tools import FunctionTool
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 from llama_index.llms.rag_speculate import DraftDocumentsPostprocessor, SpeculativeHFLLM, drafting_from
 from llama_index.llms.rag_speculate.documents import current_documents, drafter_documents
+from llama_index.llms.rag_speculate.tools import openai_tools
 from llama_index.vector_stores.faiss import FaissVectorStore
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, RootModel, ValidationError
 
-from rag_speculate import Drafter, DraftTree, SpeculativeEngine
-from rag_speculate.retrieval.corpus import packaged_embedding_path
+from rag_speculate import Drafter, DraftTree, InvalidArgumentError, SpeculativeEngine
+from rag_speculate.cpu.kernels import FastKernels
+from rag_speculate.retrieval.corpus import Chunk, packaged_embedding_path
 
 from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, DTYPE, MODEL
 
@@ -74,6 +85,8 @@ def test_metadata_reports_the_models_limits(llm, engine):
     metadata = llm.metadata
     assert metadata.context_window == engine.max_positions == 8192
     assert metadata.num_output == 10 and metadata.is_chat_model and metadata.model_name == MODEL
+    # SmolLM2's own chat template renders no tools: LlamaIndex takes its text-only paths.
+    assert isinstance(llm, FunctionCallingLLM) and not metadata.is_function_calling_model
 
 
 def test_a_repeated_query_reports_its_cached_tokens_in_the_raw_usage(llm, engine):
@@ -328,8 +341,10 @@ def test_bad_input_is_refused(llm, engine):
         llm.stream_chat([ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content="hello")])
     with pytest.raises(ValueError, match="last user message is empty"):
         llm.chat([ChatMessage(role="user", content="")])
-    with pytest.raises(ValueError, match="not 'tool'"):
-        llm.chat([ChatMessage(role=MessageRole.TOOL, content="42"), ChatMessage(role="user", content="and?")])
+    with pytest.raises(ValueError, match="not 'chatbot'"):
+        llm.chat([ChatMessage(role=MessageRole.CHATBOT, content="42"), ChatMessage(role="user", content="and?")])
+    with pytest.raises(ValueError, match="no user turn"):  # a tool result answers a user's request
+        llm.chat([ChatMessage(role=MessageRole.TOOL, content="42")])
     with pytest.raises(ValueError, match="text content only"):
         llm.chat([ChatMessage(role="user", blocks=[ImageBlock(url="https://example.com/cat.png")])])
     with pytest.raises(ValidationError, match="max_lenght"):
@@ -353,3 +368,348 @@ def test_devices_as_huggingface_llm_takes_them(engine):
         SpeculativeHFLLM(engine=engine, device_map="cpu")
     # The default, device_map="auto", is the engine's device here: the shared engine is reused.
     assert SpeculativeHFLLM(MODEL, dtype=DTYPE).engine is engine
+
+
+# --- function calling ---------------------------------------------------------------------
+# SmolLM2's chat template renders no tools; Qwen2.5's (ChatML too, so the same special tokens) does. The
+# same weights under that template make a model that is offered tools; and this small model copies a
+# tool call it is shown, which makes the whole loop (call, tool, result, answer) run for real.
+
+QWEN_TOOLS_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+
+SEARCH_RESULT = "Paris is the capital and largest city of France."
+SEARCH_CALL = '{"name": "search", "arguments": {"query": "capital of France"}}'
+WEATHER_CALL = '{"name": "weather", "arguments": {"city": "Paris"}}'
+
+
+def copy_this(*calls: str) -> str:
+    """A user turn this model answers with exactly the tool calls in it."""
+    return "Copy this text exactly, nothing else:\n" + "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+
+
+def search(query: str) -> str:
+    """Search the passages for the query."""
+    return SEARCH_RESULT
+
+
+def weather(city: str) -> str:
+    """The weather in a city."""
+    return "sunny"
+
+
+class Capital(BaseModel):
+    """A country's capital."""
+
+    city: str
+    country: str
+
+
+@pytest.fixture(scope="module")
+def tools_engine(engine) -> SpeculativeEngine:
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
+    tools_engine = SpeculativeEngine(engine.model, tokenizer, name="smollm2-135m-qwen-tools-template")
+    tools_engine.cost_model = engine.cost_model  # pinned (learn=False), as the shared engine's
+    return tools_engine
+
+
+@pytest.fixture
+def tools_llm(tools_engine) -> SpeculativeHFLLM:
+    return SpeculativeHFLLM(engine=tools_engine, model_name=MODEL, max_new_tokens=40)
+
+
+@pytest.fixture
+def prepared(tools_engine, monkeypatch) -> list[tuple]:
+    """The (prompt, options) of every generation the tools engine starts, recorded on the way through."""
+    calls = []
+    prepare = tools_engine.prepare
+
+    def recording(prompt, **options):
+        calls.append((prompt, options))
+        return prepare(prompt, **options)
+
+    monkeypatch.setattr(tools_engine, "prepare", recording)
+    return calls
+
+
+def test_a_template_that_renders_tools_makes_a_function_calling_model(tools_llm, tools_engine):
+    assert tools_llm.metadata.is_function_calling_model
+    # A messages_to_prompt of the caller's replaces the template, tools and all.
+    own = SpeculativeHFLLM(engine=tools_engine, messages_to_prompt=lambda m: m[-1].content)
+    assert not own.metadata.is_function_calling_model
+    # An agent takes it (an agent over a model that calls tools runs in the tests below).
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(search)], llm=tools_llm, system_prompt="Be brief.")
+    assert agent.llm is tools_llm and [t.metadata.name for t in agent.tools] == ["search"]
+
+
+def test_tools_reach_the_engine_in_openai_format_and_greedy_output_is_unchanged(tools_llm, tools_engine, prepared):
+    tool = FunctionTool.from_defaults(search)
+    response = tools_llm.chat_with_tools([tool], user_msg=QUESTION, max_new_tokens=24)
+    (messages, options), = prepared
+    assert messages == [{"role": "user", "content": QUESTION}]
+    assert options["tools"] == [tool.metadata.to_openai_tool()] == [{
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": tool.metadata.description,  # the signature, then the docstring
+            "parameters": {
+                "type": "object", "properties": {"query": {"title": "Query", "type": "string"}}, "required": ["query"]
+            },
+        },
+    }]
+    ids = tools_engine.encode_prompt(messages, chat=True, tools=options["tools"])
+    assert '"name": "search"' in tools_engine.tokenizer.decode(ids) and _usage(response)[0] == len(ids)
+    # The answer is the model's own greedy one over the prompt with the tools: the engine's and
+    # transformers' generate give the same tokens.
+    expected = tools_engine.generate(ids, max_new_tokens=24)
+    assert response.raw["text"] == response.message.content == expected.text
+    # Through the engine's kernels, as the demo compares.
+    with FastKernels() if tools_engine.fast_kernels else contextlib.nullcontext():
+        reference = tools_engine.model.generate(
+            torch.tensor([ids]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+        )[0, len(ids) :].tolist()
+    assert expected.token_ids == reference[: len(expected.token_ids)]
+    assert tools_llm.get_tool_calls_from_response(response, error_on_no_tool_call=False) == []
+    # OpenAI-format dicts go straight through chat(tools=...).
+    direct = tools_llm.chat([ChatMessage(role="user", content=QUESTION)], tools=options["tools"], max_new_tokens=24)
+    assert direct.raw["text"] == expected.text
+
+
+def test_the_calls_the_model_writes_become_tool_selections(tools_llm):
+    tools = [FunctionTool.from_defaults(search), FunctionTool.from_defaults(weather)]
+    response = tools_llm.chat_with_tools(tools, user_msg=copy_this(SEARCH_CALL))
+    assert response.raw["text"] == f"<tool_call>\n{SEARCH_CALL}\n</tool_call>" and response.message.content == ""
+    call = {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": {"query": "capital of France"}}}
+    assert response.message.additional_kwargs == {"tool_calls": [call]}
+    assert tools_llm.get_tool_calls_from_response(response) == [
+        ToolSelection(tool_id="call_0", tool_name="search", tool_kwargs={"query": "capital of France"})
+    ]
+
+    # Streamed: the deltas are the text as written, the last response carries the parsed calls.
+    chunks = list(tools_llm.stream_chat_with_tools(tools, user_msg=copy_this(SEARCH_CALL)))
+    assert "".join(c.delta for c in chunks) == response.raw["text"]
+    assert all(tools_llm.get_tool_calls_from_response(c, error_on_no_tool_call=False) == [] for c in chunks[:-1])
+    assert chunks[-1].message.additional_kwargs == response.message.additional_kwargs
+
+    # Two calls: both with parallel calls allowed, else the first (chat_with_tools' default).
+    both = copy_this(SEARCH_CALL, WEATHER_CALL)
+    parallel = asyncio.run(tools_llm.achat_with_tools(tools, user_msg=both, allow_parallel_tool_calls=True, max_new_tokens=64))
+    assert [s.tool_name for s in tools_llm.get_tool_calls_from_response(parallel)] == ["search", "weather"]
+    single = tools_llm.chat_with_tools(tools, user_msg=both, max_new_tokens=64)
+    assert [s.tool_name for s in tools_llm.get_tool_calls_from_response(single)] == ["search"]
+
+
+def test_a_malformed_call_comes_back_as_text_with_the_reason(tools_llm):
+    broken = '{"name": "search", "arguments": {"query": }'
+    response = tools_llm.chat_with_tools([FunctionTool.from_defaults(search)], user_msg=copy_this(broken))
+    assert response.message.content == f"<tool_call>\n{broken}\n</tool_call>"
+    assert "tool call 0 is not valid JSON" in response.message.additional_kwargs["tool_call_error"]
+    assert "tool_calls" not in response.message.additional_kwargs
+    assert tools_llm.get_tool_calls_from_response(response, error_on_no_tool_call=False) == []
+    with pytest.raises(ValueError, match="without a tool call: tool call 0 is not valid JSON"):
+        tools_llm.get_tool_calls_from_response(response)
+
+
+def test_tool_history_renders_through_the_template(tools_llm, tools_engine, prepared):
+    tool = FunctionTool.from_defaults(search)
+    # The assistant's call as OpenAI's adapter leaves it (arguments as a JSON string), and as a block.
+    arguments = '{"query": "capital of France"}'
+    openai_call = {"id": "call_7", "type": "function", "function": {"name": "search", "arguments": arguments}}
+    history = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content=QUESTION),
+        ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [openai_call]}),
+        ChatMessage(role="tool", content=SEARCH_RESULT, additional_kwargs={"tool_call_id": "call_7"}),
+    ]
+    block = ToolCallBlock(tool_call_id="call_7", tool_name="search", tool_kwargs={"query": "capital of France"})
+    as_blocks = [*history[:2], ChatMessage(role="assistant", blocks=[block]), history[3]]
+    first = tools_llm.chat_with_tools([tool], chat_history=history, max_new_tokens=8)
+    second = tools_llm.chat_with_tools([tool], chat_history=as_blocks, max_new_tokens=8)
+    expected = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "search", "arguments": {"query": "capital of France"}}}
+        ]},
+        {"role": "tool", "content": SEARCH_RESULT, "tool_call_id": "call_7"},
+    ]
+    assert [p[0] for p in prepared] == [expected, expected] and first.raw["text"] == second.raw["text"]
+    text = tools_engine.tokenizer.decode(tools_engine.encode_prompt(expected, chat=True, tools=prepared[0][1]["tools"]))
+    assert f"<|im_start|>assistant\n<tool_call>\n{SEARCH_CALL}\n</tool_call><|im_end|>" in text
+    assert text.endswith(f"<|im_start|>user\n<tool_response>\n{SEARCH_RESULT}\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # The tool's result feeds the drafters.
+    ids = tools_engine.tokenizer.encode(SEARCH_RESULT, add_special_tokens=False)
+    assert ids in tools_engine.prepare(expected, chat=True, tools=prepared[0][1]["tools"]).document_ids
+
+
+def test_tool_choice_and_tool_required_ask_in_the_prompt(tools_llm, prepared):
+    tools = [FunctionTool.from_defaults(search), FunctionTool.from_defaults(weather)]
+    system = ChatMessage(role="system", content="Be brief.")
+    user = ChatMessage(role="user", content=QUESTION)
+    tools_llm.chat_with_tools(tools, chat_history=[system, user], tool_choice="weather", max_new_tokens=2)
+    tools_llm.chat_with_tools(tools, chat_history=[user], tool_required=True, max_new_tokens=2)
+    as_dict = {"type": "function", "function": {"name": "search"}}
+    tools_llm.chat_with_tools(tools, chat_history=[user], tool_choice=as_dict, max_new_tokens=2)
+    tools_llm.chat_with_tools(tools, chat_history=[user], tool_choice="none", max_new_tokens=2)
+    # At the end of the last user message: the system message and the tools, the start of every turn's
+    # prompt, stay as they are, and so stay in the prompt cache.
+    assert [p[0] for p in prepared[:3]] == [
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": f'{QUESTION}\n\nAnswer only with a call to the tool "weather", not with text.'}],
+        [{"role": "user", "content": f"{QUESTION}\n\nAnswer only with a call to one of the tools, not with text."}],
+        [{"role": "user", "content": f'{QUESTION}\n\nAnswer only with a call to the tool "search", not with text.'}],
+    ]
+    assert [len(p[1]["tools"] or ()) for p in prepared] == [2, 2, 2, 0] and prepared[3][0] == [{"role": "user", "content": QUESTION}]
+    # After a tool result, in the system message.
+    selection = ToolSelection(tool_id="call_0", tool_name="search", tool_kwargs={"query": "France"})
+    called = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [selection]})
+    result = ChatMessage(role="tool", content=SEARCH_RESULT, additional_kwargs={"tool_call_id": "call_0"})
+    tools_llm.chat_with_tools(tools, chat_history=[system, user, called, result], tool_required=True, max_new_tokens=2)
+    assert prepared[4][0][0] == {"role": "system", "content": "Be brief.\n\nAnswer only with a call to one of the tools, not with text."}
+    assert prepared[4][0][2]["tool_calls"] == [
+        {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": {"query": "France"}}}
+    ]
+    assert system.content == "Be brief." and user.content == QUESTION  # the caller's messages are left as they were
+
+
+def test_structured_output_goes_through_a_tool_call(tools_llm, prepared):
+    call = '{"name": "Capital", "arguments": {"city": "Paris", "country": "France"}}'
+    predicted = tools_llm.structured_predict(Capital, PromptTemplate("{text}"), text=copy_this(call))
+    assert predicted == Capital(city="Paris", country="France")
+    # The output class is the one tool offered, and a call is asked for.
+    (messages, options), = prepared
+    assert options["tools"] == [get_function_tool(Capital).metadata.to_openai_tool()]
+    assert messages == [{"role": "user", "content": f"{copy_this(call)}\n\nAnswer only with a call to one of the tools, not with text."}]
+
+    structured = tools_llm.as_structured_llm(Capital).chat([ChatMessage(role="user", content=copy_this(call))])
+    assert structured.raw == Capital(city="Paris", country="France")
+    assert json.loads(structured.message.content) == {"city": "Paris", "country": "France"}
+    # A model that answers in text (here a call it got wrong) instead: the reason, not a silent None.
+    with pytest.raises(ValueError, match="the model answered without a tool call: "):
+        tools_llm.structured_predict(Capital, PromptTemplate("{text}"), text=QUESTION)
+
+
+def test_function_agent_calls_the_tool_and_answers_over_its_result(tools_llm, prepared):
+    searched = []
+
+    def search_passages(query: str) -> str:
+        """Search the passages for the query."""
+        searched.append(query)
+        return SEARCH_RESULT
+
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(search_passages)], llm=tools_llm)
+    call = '{"name": "search_passages", "arguments": {"query": "capital of France"}}'
+
+    async def run() -> tuple[list, str]:
+        handler = agent.run(copy_this(call))
+        events = [
+            (type(e).__name__, e.tool_name, e.tool_kwargs)
+            async for e in handler.stream_events()
+            if isinstance(e, (ToolCall, ToolCallResult))
+        ]
+        return events, str(await handler)
+
+    events, answer = asyncio.run(run())
+    arguments = {"query": "capital of France"}
+    assert events == [("ToolCall", "search_passages", arguments), ("ToolCallResult", "search_passages", arguments)]
+    assert searched == ["capital of France"] and answer.strip()
+    # The second turn saw the call and its result, rendered through the template.
+    second = prepared[1][0]
+    assert [m["role"] for m in second[-3:]] == ["user", "assistant", "tool"] and second[-1]["content"] == SEARCH_RESULT
+    assert second[-2]["tool_calls"][0]["function"] == {"name": "search_passages", "arguments": {"query": "capital of France"}}
+
+
+def test_bad_tools_are_refused_at_the_call_naming_them(llm, tools_llm):
+    messages = [ChatMessage(role="user", content=QUESTION)]
+    numbers = FunctionTool.from_defaults(sum, name="numbers", description="Sums.", fn_schema=RootModel[list[int]])
+    with pytest.raises(InvalidArgumentError, match="tool 'numbers': parameters must be a JSON Schema object"):
+        tools_llm.chat_with_tools([numbers], user_msg=QUESTION)
+    spaced = FunctionTool.from_defaults(search, name="search docs")
+    with pytest.raises(InvalidArgumentError, match="tool 'search docs' cannot be offered to the model"):
+        tools_llm.chat_with_tools([spaced], user_msg=QUESTION)
+    with pytest.raises(InvalidArgumentError, match="tool 'search' is given twice"):
+        tools_llm.chat_with_tools([FunctionTool.from_defaults(search)] * 2, user_msg=QUESTION)
+    with pytest.raises(InvalidArgumentError, match=r"tools\[0\] must be"):
+        tools_llm.chat(messages, tools=[{"name": "search"}])
+    with pytest.raises(ValueError, match="tool_choice names the tool 'weather', which is not among the tools: search"):
+        tools_llm.chat_with_tools([FunctionTool.from_defaults(search)], user_msg=QUESTION, tool_choice="weather")
+    with pytest.raises(ValueError, match="needs at least one tool"):
+        tools_llm.chat_with_tools([], user_msg=QUESTION, tool_required=True)
+    with pytest.raises(InvalidArgumentError, match="chat template takes no tools"):
+        llm.chat_with_tools([FunctionTool.from_defaults(search)], user_msg=QUESTION)
+    with pytest.raises(TypeError, match="'tools'"):
+        tools_llm.complete(QUESTION, tools=[FunctionTool.from_defaults(search)])
+    own = SpeculativeHFLLM(engine=tools_llm.engine, messages_to_prompt=lambda m: m[-1].content)
+    with pytest.raises(ValueError, match="messages_to_prompt replaces"):
+        own.chat(messages, tools=[FunctionTool.from_defaults(search)])
+    bad_call = {"function": {"name": "search", "arguments": "{not json"}}
+    with pytest.raises(ValueError, match=r"call_0 \('search'\) has arguments that are not valid JSON"):
+        called = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [bad_call]})
+        tools_llm.chat([*messages, called, ChatMessage(role="tool", content="x")])
+
+
+def test_the_agentic_example_offers_its_search_tool():
+    # The example itself runs Qwen2.5-Coder-1.5B (SmolLM2's template renders no tools): here, its parts.
+    example = importlib.import_module("agentic_rag_llamaindex")
+
+    class Index:
+        def search(self, query: str, k: int) -> list[Chunk]:
+            return [Chunk(SEARCH_RESULT, 0.9, "Paris", "nq-1", {}, [], 0)][:k]
+
+    tool = example.search_tool(Index(), 3)
+    assert openai_tools([tool])[0]["function"]["name"] == "search_passages"
+    assert tool.call(query="capital of France").content == f"[1] Paris\n{SEARCH_RESULT}"
+    assert example.parse_args(["--question", "q"]).model == "qwen2.5-coder-1.5b-instruct"

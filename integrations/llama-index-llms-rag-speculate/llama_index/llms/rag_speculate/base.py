@@ -1,4 +1,5 @@
-"""`SpeculativeHFLLM`: a LlamaIndex LLM on the speculative engine (in place of `HuggingFaceLLM`)."""
+"""`SpeculativeHFLLM`: a LlamaIndex LLM on the speculative engine (in place of `HuggingFaceLLM`), with
+function calling through the model's chat template."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
     TextBlock,
+    ToolCallBlock,
 )
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.prompts import BasePromptTemplate, SelectorPromptTemplate
+from llama_index.core.tools.types import BaseTool
 from llama_index.core.types import TokenAsyncGen, TokenGen
 from pydantic import ConfigDict, Field, PrivateAttr
 
@@ -31,20 +34,39 @@ from rag_speculate.models.device import device_from_map, resolve_device
 from rag_speculate.serving import DTYPES, acollect, aiterate, check_call_arguments, collect, shared_engine, token_usage
 
 from .documents import current_documents, drafter_documents, drafting_for_query
+from .tools import (
+    NAMED_INSTRUCTION,
+    REQUIRED_INSTRUCTION,
+    TOOL_CALL_ERROR,
+    TOOL_CALLS,
+    chosen_tool,
+    message_tool_calls,
+    openai_tools,
+    parsed_message_kwargs,
+    tool_selections,
+    with_instruction,
+)
 
 # What a caller may pass per call to complete/chat and their stream/async variants.
 CALL_ARGUMENTS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "documents")
+# ... and what chat and its variants take besides: LlamaIndex tools or OpenAI-format tool dicts.
+CHAT_ARGUMENTS = (*CALL_ARGUMENTS, "tools")
 _ROLES = (MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT)
+_TOOL_ROLES = (MessageRole.TOOL, MessageRole.FUNCTION)
 _LOADING = ("dtype", "device", "device_map", "draft_budget")
 
 
-class SpeculativeHFLLM(CustomLLM):
+class SpeculativeHFLLM(FunctionCallingLLM):
     """A local Hugging Face model as a LlamaIndex LLM, accelerated by lossless speculative decoding.
 
     Prompts go through the model's chat template, streaming or not (`complete(..., formatted=True)`
     sends the text as it is; `completion_to_prompt` / `messages_to_prompt`, when given, replace the
     template). The drafters draft from the prompt, and from the retrieved nodes when the query engine
     has a `DraftDocumentsPostprocessor` or a call passes `documents=`.
+
+    A `FunctionCallingLLM` when the model's chat template renders tools: `chat_with_tools`,
+    `FunctionAgent`, `structured_predict` and `as_structured_llm` work through the template's own tool
+    format, and `get_tool_calls_from_response` reads the calls the model wrote.
 
         llm = SpeculativeHFLLM("qwen2.5-coder-1.5b-instruct", max_new_tokens=128)
         index.as_query_engine(llm=llm, streaming=True, node_postprocessors=[DraftDocumentsPostprocessor()])
@@ -107,7 +129,16 @@ class SpeculativeHFLLM(CustomLLM):
             context_window=self._engine.max_positions or DEFAULT_CONTEXT_WINDOW,
             num_output=self.max_new_tokens,
             is_chat_model=True,
+            is_function_calling_model=self._renders_tools(),
             model_name=self.model_name,
+        )
+
+    def _renders_tools(self) -> bool:
+        """Whether tools reach the model: its chat template renders them (the engine's test), and no
+        `messages_to_prompt` of the caller's replaces that template. Otherwise LlamaIndex falls back to
+        its text-only paths (`structured_predict` parses JSON from a completion)."""
+        return self.messages_to_prompt is generic_messages_to_prompt and "tools" in (
+            self._engine.tokenizer.chat_template or ""
         )
 
     # --- what query engines call: the query being answered says which retrieved nodes to draft from
@@ -155,21 +186,92 @@ class SpeculativeHFLLM(CustomLLM):
 
     # --- chat ----------------------------------------------------------------------------
 
+    # `tools=` (LlamaIndex tools or OpenAI-format dicts) reach the chat template; the answer's calls are
+    # then parsed into the last response's message.additional_kwargs["tool_calls"].
+
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(self._response(collect(self._start_chat(messages, kwargs))))
+        stream, tools = self._start_chat(messages, kwargs)
+        return _chat_response(self._response(collect(stream)), tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return (_chat_response(r) for r in self._responses(self._start_chat(messages, kwargs)))
+        stream, tools = self._start_chat(messages, kwargs)
+        return (_chat_response(r, tools) for r in self._responses(stream))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(self._response(await acollect(self._start_chat(messages, kwargs))))
+        stream, tools = self._start_chat(messages, kwargs)
+        return _chat_response(self._response(await acollect(stream)), tools)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return (_chat_response(r) async for r in self._aresponses(self._start_chat(messages, kwargs)))
+        stream, tools = self._start_chat(messages, kwargs)
+        return (_chat_response(r, tools) async for r in self._aresponses(stream))
+
+    # --- function calling (chat_with_tools and its variants, FunctionAgent, structured_predict) ----
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The chat arguments for a call offering `tools`. Nothing constrains the decoding (the answer
+        stays the model's own), so `tool_required=True` and a `tool_choice` naming a tool (or
+        "required") become an instruction to answer with a call, at the end of the last user message
+        (`with_instruction`); `tool_choice="none"` leaves the tools out of the prompt."""
+        checked = openai_tools(tools) or []
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            if isinstance(user_msg, str):
+                user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+            messages.append(user_msg)
+        choice = chosen_tool(tool_choice, checked)
+        if choice == "none":
+            return {"messages": messages, **kwargs}
+        if not checked:
+            if tool_required or choice == "required":
+                raise ValueError("tool_required=True (or tool_choice='required') needs at least one tool")
+            return {"messages": messages, **kwargs}
+        if choice not in ("auto", "required"):
+            messages = with_instruction(messages, NAMED_INSTRUCTION.format(name=choice))
+        elif tool_required or choice == "required":
+            messages = with_instruction(messages, REQUIRED_INSTRUCTION)
+        return {"messages": messages, "tools": checked, **kwargs}
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[BaseTool],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        """Without parallel calls only the first call the model wrote is kept (as OpenAI's adapter does)."""
+        calls = response.message.additional_kwargs.get(TOOL_CALLS)
+        if not allow_parallel_tool_calls and calls and len(calls) > 1:
+            response.message.additional_kwargs[TOOL_CALLS] = calls[:1]
+        return response
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The calls in `response.message` (`additional_kwargs["tool_calls"]`, or `ToolCallBlock`s), in
+        the order the model wrote them; none raises `ValueError` with the reason, unless
+        `error_on_no_tool_call=False`."""
+        selections = tool_selections(response.message)
+        if not selections and error_on_no_tool_call:
+            reason = response.message.additional_kwargs.get(TOOL_CALL_ERROR)
+            raise ValueError(
+                "the model answered without a tool call"
+                + (f": {reason}" if reason else f": {(response.message.content or '')[:200]!r}")
+            )
+        return selections
 
     # --- starting a generation: everything is checked here, before any streaming starts ----
 
@@ -183,18 +285,31 @@ class SpeculativeHFLLM(CustomLLM):
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return self._start([*system, {"role": "user", "content": prompt}], True, kwargs)
 
-    def _start_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> GenerationStream:
+    def _start_chat(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[GenerationStream, list[dict] | None]:
+        """The generation, and the tools it offers the model (None: none, so nothing is parsed)."""
+        check_call_arguments("SpeculativeHFLLM", kwargs, CHAT_ARGUMENTS)
+        kwargs = dict(kwargs)
+        tools = openai_tools(kwargs.pop("tools", None))
         chat = _chat_messages(messages)
         if self.messages_to_prompt is not generic_messages_to_prompt:
-            return self._start(self.messages_to_prompt(messages), False, kwargs)
-        return self._start(chat, True, kwargs)
+            if tools:
+                raise ValueError(
+                    "tools reach the model through its chat template, which this LLM's messages_to_prompt replaces"
+                )
+            return self._start(self.messages_to_prompt(messages), False, kwargs), None
+        return self._start(chat, True, kwargs, tools), tools
 
-    def _start(self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any]) -> GenerationStream:
+    def _start(
+        self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any], tools: list[dict] | None = None
+    ) -> GenerationStream:
         check_call_arguments("SpeculativeHFLLM", kwargs, CALL_ARGUMENTS)
         documents = kwargs.get("documents")
         return self._engine.stream(
             prompt,
             chat=chat,
+            tools=tools,
             documents=current_documents() if documents is None else drafter_documents(documents),
             max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             temperature=kwargs.get("temperature", self.temperature),
@@ -234,32 +349,53 @@ class SpeculativeHFLLM(CustomLLM):
         yield self._response(stream.result, delta="")
 
 
-def _chat_response(response: CompletionResponse) -> ChatResponse:
+def _chat_response(response: CompletionResponse, tools: list[dict] | None = None) -> ChatResponse:
+    """A chat response; when the model was offered tools, the last one (the whole answer, with its usage)
+    carries the calls the model wrote in `message.additional_kwargs["tool_calls"]` and the text around
+    them as its content, and `raw["text"]` keeps the answer as written."""
+    content, message_kwargs, raw = response.text, {}, response.raw
+    if tools and response.raw is not None:
+        content, message_kwargs = parsed_message_kwargs(response.text)
+        raw = {**response.raw, "text": response.text}
     return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=content, additional_kwargs=message_kwargs),
         delta=response.delta,
-        raw=response.raw,
+        raw=raw,
         additional_kwargs=response.additional_kwargs,
     )
 
 
-def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex messages as the chat template's {"role", "content"} dicts; what it cannot render is refused."""
+def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex messages as the chat template's dicts: {"role", "content"}, tool results as {"role":
+    "tool", "content", "tool_call_id"}, assistant turns that called tools with their "tool_calls"; what
+    the template cannot render is refused."""
     if not messages:
         raise ValueError("chat needs at least one message")
     out = []
     for message in messages:
-        if message.role not in _ROLES:
+        if message.role not in (*_ROLES, *_TOOL_ROLES):
             raise ValueError(
-                f"SpeculativeHFLLM supports system, user and assistant messages, not {message.role.value!r}"
+                f"SpeculativeHFLLM supports system, user, assistant and tool messages, not {message.role.value!r}"
             )
-        if not all(isinstance(block, TextBlock) for block in message.blocks):
+        allowed = (TextBlock, ToolCallBlock) if message.role == MessageRole.ASSISTANT else TextBlock
+        if not all(isinstance(block, allowed) for block in message.blocks):
             raise ValueError("SpeculativeHFLLM supports text content only")
-        out.append({"role": message.role.value, "content": message.content or ""})
-    if out[-1]["role"] != MessageRole.USER.value:
+        entry: dict[str, Any] = {"role": message.role.value, "content": message.content or ""}
+        if message.role in _TOOL_ROLES:
+            entry["role"] = "tool"
+            for key in ("tool_call_id", "name"):
+                if isinstance(message.additional_kwargs.get(key), str):
+                    entry[key] = message.additional_kwargs[key]
+        elif message.role == MessageRole.ASSISTANT:
+            calls = message_tool_calls(message)
+            if calls:
+                entry["tool_calls"] = calls
+        out.append(entry)
+    if out[-1]["role"] not in ("user", "tool"):
         raise ValueError(
-            f"the chat history must end with a user message, not {out[-1]['role']!r}: the model answers it"
+            f"the chat history must end with a user message (or a tool result), not {out[-1]['role']!r}: "
+            "the model answers it"
         )
-    if not out[-1]["content"].strip():
+    if out[-1]["role"] == "user" and not out[-1]["content"].strip():
         raise ValueError("the last user message is empty")
     return out

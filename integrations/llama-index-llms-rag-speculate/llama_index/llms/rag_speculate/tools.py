@@ -1,0 +1,168 @@
+"""Function calling for `SpeculativeHFLLM`: LlamaIndex tools and tool-call history in the chat template's
+terms, and the calls in the model's answer as LlamaIndex reads them.
+
+The engine renders `tools=` (OpenAI function format) and a history with {"role": "tool"} results and
+assistant turns carrying "tool_calls" through the model's own chat template; nothing constrains the
+decoding, so the answer is exactly the model's, and `parse_tool_calls` reads the calls back out of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.tools.types import BaseTool
+
+from rag_speculate import InvalidArgumentError
+from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, parse_tool_calls
+
+# What `tool_required=True` or a `tool_choice` asks for, as an instruction in the prompt: without constrained
+# decoding a model can only be asked (the answer stays the model's own greedy or sampled one).
+REQUIRED_INSTRUCTION = "Answer only with a call to one of the tools, not with text."
+NAMED_INSTRUCTION = 'Answer only with a call to the tool "{name}", not with text.'
+# Keys of a response message's additional_kwargs: the parsed calls, and why a call-like answer was not one.
+TOOL_CALLS = "tool_calls"
+TOOL_CALL_ERROR = "tool_call_error"
+
+
+def openai_tools(tools: Sequence[BaseTool | dict] | None) -> list[dict] | None:
+    """LlamaIndex tools (or tools already in OpenAI's function format) as the engine's `tools=`, checked.
+
+    A LlamaIndex tool keeps its own name (not `to_openai_tool`'s sanitized one): the model must call
+    the name an agent looks the tool up by. A tool the chat template could not render is refused here,
+    naming it."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, dict, BaseTool)) or not isinstance(tools, Sequence):
+        raise TypeError(
+            f"tools must be a list of LlamaIndex tools or OpenAI-format tool dicts, got {type(tools).__name__}"
+        )
+    if not tools:
+        return None
+    converted, names = [], []
+    for tool in tools:
+        if isinstance(tool, BaseTool):
+            openai = tool.metadata.to_openai_tool(skip_length_check=True)  # a local model has no 1,024-character limit
+            openai["function"]["name"] = tool.metadata.name
+            converted.append(openai)
+            names.append(tool.metadata.name)
+        else:
+            converted.append(tool)
+            function = tool.get("function") if isinstance(tool, dict) else None
+            names.append(function.get("name") if isinstance(function, dict) else None)
+    try:
+        return check_tools(converted)
+    except InvalidArgumentError as exc:
+        # The engine names a tool by its position when its name is what is wrong: name it here.
+        where = re.match(r"tools\[(\d+)\]", str(exc))
+        if where is None or names[int(where.group(1))] is None:
+            raise
+        name = names[int(where.group(1))]
+        raise InvalidArgumentError(f"tool {name!r} cannot be offered to the model: {exc}") from None
+
+
+def tool_names(tools: Sequence[dict]) -> list[str]:
+    return [tool["function"]["name"] for tool in tools]
+
+
+def chosen_tool(tool_choice: Any, tools: Sequence[dict]) -> str:
+    """The tool `tool_choice` names, or "auto"/"none"/"required" (OpenAI's and LlamaIndex's spellings);
+    a tool that is not among `tools` is refused, naming it."""
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
+        function = tool_choice.get("function", tool_choice)
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise ValueError(f"tool_choice must name a tool, got {tool_choice!r}")
+    elif isinstance(tool_choice, str):
+        if tool_choice in ("auto", "none"):
+            return tool_choice
+        if tool_choice in ("required", "any"):
+            return "required"
+        name = tool_choice
+    else:
+        raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a tool's name, got {tool_choice!r}")
+    if name not in tool_names(tools):
+        offered = ", ".join(tool_names(tools)) or "none"
+        raise ValueError(f"tool_choice names the tool {name!r}, which is not among the tools: {offered}")
+    return name
+
+
+def with_instruction(messages: Sequence[ChatMessage], instruction: str) -> list[ChatMessage]:
+    """`messages` with `instruction` at the end of the last message when it is the user's (the prompt
+    then differs from the next turn's only from there: the prompt cache keeps the rest), else at the end
+    of the first system message (a new one if there is none); the caller's messages are not modified."""
+    messages = list(messages)
+    if messages and messages[-1].role == MessageRole.USER:
+        last = messages[-1]
+        text = f"{last.content or ''}\n\n{instruction}"
+        messages[-1] = ChatMessage(role=MessageRole.USER, content=text, additional_kwargs=dict(last.additional_kwargs))
+        return messages
+    if messages and messages[0].role == MessageRole.SYSTEM:
+        first = messages[0]
+        text = f"{first.content}\n\n{instruction}" if first.content else instruction
+        messages[0] = ChatMessage(
+            role=MessageRole.SYSTEM, content=text, additional_kwargs=dict(first.additional_kwargs)
+        )
+        return messages
+    return [ChatMessage(role=MessageRole.SYSTEM, content=instruction), *messages]
+
+
+def tool_call_dict(call: Any, where: str) -> dict:
+    """One tool call in the chat templates' shape, {"id", "type": "function", "function": {"name",
+    "arguments": {...}}}, from the shapes LlamaIndex LLMs leave in a message: ours, OpenAI's (objects,
+    or dicts with the arguments as a JSON string), Ollama's, a `ToolCallBlock`, a `ToolSelection`."""
+    if isinstance(call, ToolCallBlock):
+        call_id, name, arguments = call.tool_call_id, call.tool_name, call.tool_kwargs
+    elif isinstance(call, ToolSelection):
+        call_id, name, arguments = call.tool_id, call.tool_name, call.tool_kwargs
+    else:
+        if hasattr(call, "model_dump"):
+            call = call.model_dump()
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if hasattr(function, "model_dump"):
+            function = function.model_dump()
+        if not isinstance(function, dict):
+            raise ValueError(f"{where} must be a tool call with a name and arguments, got {call!r}")
+        call_id, name, arguments = call.get("id"), function.get("name"), function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} ({name!r}) has arguments that are not valid JSON: {exc.msg}") from None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise ValueError(f"{where} needs a string name and an object of arguments, got {call!r}")
+    return {"id": call_id or where, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def message_tool_calls(message: ChatMessage) -> list[dict]:
+    """The tool calls an assistant message made: in `additional_kwargs["tool_calls"]`, else as blocks."""
+    calls = message.additional_kwargs.get(TOOL_CALLS) or [b for b in message.blocks if isinstance(b, ToolCallBlock)]
+    return [tool_call_dict(call, f"call_{i}") for i, call in enumerate(calls)]
+
+
+def parsed_message_kwargs(text: str) -> tuple[str, dict]:
+    """A response message's content and additional_kwargs for the model's answer `text`: the calls it
+    makes under "tool_calls" (and the text around them as the content), or, when something looked like a
+    call but was not one, the whole text and the reason under "tool_call_error"."""
+    parsed: ParsedToolCalls = parse_tool_calls(text)
+    if parsed.calls:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls
+        ]
+        return parsed.content, {TOOL_CALLS: calls}
+    if parsed.error:
+        return text, {TOOL_CALL_ERROR: parsed.error}
+    return text, {}
+
+
+def tool_selections(message: ChatMessage) -> list[ToolSelection]:
+    return [
+        ToolSelection(tool_id=call["id"], tool_name=call["function"]["name"], tool_kwargs=call["function"]["arguments"])
+        for call in message_tool_calls(message)
+    ]
