@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
+import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 import torch
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.exceptions import OutputParserException
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.outputs import LLMResult
 from langchain_core.prompts import PromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda
+from langchain_core.tools import tool
 from langchain_core.tracers.context import collect_runs
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_rag_speculate import ChatSpeculativeHF, SpeculativeHFLLM, create_rag_chain
-from pydantic import ValidationError
+from langchain_rag_speculate._tools import HeldText, ReadCalls
+from pydantic import BaseModel, Field, ValidationError
+from typing_extensions import TypedDict
 
 from rag_speculate import Drafter, DraftTree, SpeculativeEngine
+from rag_speculate.decoding.tool_calls import parse_tool_calls
 
 from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, MODEL
 
@@ -314,6 +331,9 @@ def test_unknown_arguments_are_refused(engine, model_class):
         model.invoke("hi", documents="one string")
     with pytest.raises(ValueError, match="stop must be"):
         model.invoke("hi", stop=[1])
+    if model_class is SpeculativeHFLLM:  # a completion model takes no tools
+        with pytest.raises(TypeError, match="'tools'"):
+            model.invoke("hi", tools=[search])
     with pytest.raises(ValidationError, match="max_lenght"):
         model_class(model=MODEL, max_lenght=5)
     with pytest.raises(ValidationError, match="cannot be combined with engine"):
@@ -350,7 +370,378 @@ def test_bad_prompts_are_refused(llm, chat):
         chat.invoke([HumanMessage("hi"), AIMessage("hello")])
     with pytest.raises(ValueError, match="last user message is empty"):
         chat.invoke([HumanMessage(" ")])
-    with pytest.raises(ValueError, match="not ToolMessage"):
-        chat.invoke([HumanMessage("hi"), ToolMessage("42", tool_call_id="1"), HumanMessage("and?")])
+    with pytest.raises(ValueError, match="not FunctionMessage"):
+        chat.invoke([HumanMessage("hi"), FunctionMessage("42", name="f"), HumanMessage("and?")])
     with pytest.raises(ValueError, match="text content only"):
         chat.invoke([HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}])])
+    # SmolLM2's template renders no tools: refused when called, naming the model, not silently dropped.
+    with pytest.raises(ValueError, match="chat template takes no tools"):
+        chat.bind_tools([search]).invoke("hi")
+
+
+# --- tool calling and structured output -----------------------------------------------------
+#
+# SmolLM2's own chat template renders no tools, so these tests give the same model a copy of its
+# tokenizer whose ChatML template does (tool names in the first message, an assistant's calls as
+# Hermes <tool_call> tags). The answers are the model's own: asked to repeat the user's text, it
+# writes a call, a malformed call, a JSON object or plain text, and the adapter reads them back.
+
+TOOLS_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{%- if loop.first and tools %}\n\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{% endif %}"
+    "{%- for call in message.get('tool_calls', []) %}\n<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ECHO = "Reply with exactly the text the user sends."
+LOOKUP_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"id": 7}}\n</tool_call>'
+SEARCH_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "warranty"}}\n</tool_call>'
+JOKE = {"setup": "Why did the cat sit on the computer?", "punchline": "To keep an eye on the mouse."}
+
+
+@tool
+def search(query: str) -> str:
+    """Search the documents."""
+    return f"results for {query}"
+
+
+class Joke(BaseModel):
+    """Joke to tell user."""
+
+    setup: str = Field(description="question to set up a joke")
+    punchline: str = Field(description="answer to resolve the joke")
+
+
+class JokeDict(TypedDict):
+    """Joke to tell user."""
+
+    setup: Annotated[str, ..., "question to set up a joke"]
+    punchline: Annotated[str, ..., "answer to resolve the joke"]
+
+
+def lookup(id: int) -> str:  # noqa: A002 - a tool's argument name, as the model writes it
+    """Look a record up by its id."""
+    return str(id)
+
+
+class RecordingEngine(SpeculativeEngine):
+    """The engine, keeping each request it was given (the prompt ids the model sees) and its stream."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list = []
+        self.streams: list = []
+
+    def stream(self, prompt: Any, **options: Any):
+        self.requests.append(self.prepare(prompt, **options))
+        self.streams.append(super().stream(prompt, **options))
+        return self.streams[-1]
+
+
+@pytest.fixture(scope="module")
+def tool_engine(engine) -> RecordingEngine:
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tools_engine = RecordingEngine(engine.model, tokenizer, name=MODEL)
+    tools_engine.cost_model = engine.cost_model
+    return tools_engine
+
+
+@pytest.fixture
+def tool_chat(tool_engine) -> ChatSpeculativeHF:
+    return ChatSpeculativeHF.from_engine(tool_engine, model=MODEL, max_tokens=60)
+
+
+def _echo(text: str) -> list[BaseMessage]:
+    """A prompt this model answers with `text`, as it is (and the request tool_choice appends after a
+    blank line, ignored)."""
+    forced = "\n\nAnswer by calling the tool lookup with arguments that fit the request, not with text."
+    return [
+        SystemMessage(ECHO + " Ignore anything after a blank line."),
+        *(HumanMessage("hello"), AIMessage("hello")),
+        *(HumanMessage(LOOKUP_CALL + forced), AIMessage(LOOKUP_CALL)),
+        HumanMessage(text),
+    ]
+
+
+def _aggregate(chunks: Sequence[AIMessageChunk]) -> AIMessageChunk:
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full = full + chunk
+    return full
+
+
+def _greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_bind_tools_converts_every_kind_of_tool_and_checks_it_now(chat):
+    class Weather(BaseModel):
+        """Weather at a place."""
+
+        place: str
+
+    dict_tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    bound = chat.bind_tools([search, Weather, lookup, JokeDict, dict_tool, Joke.model_json_schema()], tool_choice="any")
+    tools = bound.kwargs["tools"]
+    assert [t["function"]["name"] for t in tools] == ["search", "Weather", "lookup", "JokeDict", "ping", "Joke"]
+    assert tools[0]["function"]["parameters"]["properties"] == {"query": {"type": "string"}}
+    assert tools[2]["function"]["parameters"]["properties"] == {"id": {"type": "integer"}}
+    assert all(t["type"] == "function" for t in tools) and bound.kwargs["tool_choice"] == "any"
+    for choice in (None, "auto", "none", "required", "lookup", {"type": "function", "function": {"name": "lookup"}}):
+        assert chat.bind_tools([search, lookup], tool_choice=choice).kwargs["tool_choice"] == choice
+
+    with pytest.raises(ValueError, match="tool_choice names 'nope', which is not among the tools \\(search\\)"):
+        chat.bind_tools([search], tool_choice="nope")
+    with pytest.raises(ValueError, match="tool_choice names 'nope'"):
+        chat.bind_tools([search], tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="tool_choice must be one of"):
+        chat.bind_tools([search], tool_choice=True)
+    with pytest.raises(ValueError, match="needs tools"):
+        chat.bind_tools([], tool_choice="any")
+    with pytest.raises(ValueError, match=r"tools\[1\] \(42\) cannot be converted"):
+        chat.bind_tools([search, 42])
+    with pytest.raises(ValueError, match="tool 'search' is given twice"):
+        chat.bind_tools([search, search])
+    with pytest.raises(ValueError, match="tools must be a list"):
+        chat.bind_tools(search)
+    with pytest.raises(ValueError, match="tool_choice names 'nope'"):  # per call, too
+        chat.invoke("hi", tools=[search], tool_choice="nope")
+
+
+def test_tool_choice_reaches_the_prompt_as_documented(tool_chat, tool_engine):
+    tools = [convert_to_openai_tool(search), convert_to_openai_tool(lookup)]
+    question = [HumanMessage("Find the warranty.")]
+    asked = {"role": "user", "content": "Find the warranty."}
+
+    def prompt_ids(**kwargs: Any) -> list[int]:
+        tool_chat.invoke(question, max_tokens=1, **kwargs)
+        return tool_engine.requests[-1].prompt_ids
+
+    def expected(content: str, template_tools: list[dict] | None) -> list[int]:
+        return tool_engine.encode_prompt([{**asked, "content": content}], chat=True, tools=template_tools)
+
+    auto = prompt_ids(tools=tools)
+    auto_request = tool_engine.requests[-1]
+    assert auto == expected(asked["content"], tools) == prompt_ids(tools=tools, tool_choice="auto")
+    assert "Tools: search lookup" in tool_engine.tokenizer.decode(auto)
+    assert prompt_ids(tools=tools, tool_choice="none") == expected(asked["content"], None)
+    fit = "with arguments that fit the request, not with text."
+    any_call = f"Find the warranty.\n\nAnswer by calling one of the tools (search, lookup) {fit}"
+    assert prompt_ids(tools=tools, tool_choice="any") == expected(any_call, tools)
+    assert prompt_ids(tools=tools, tool_choice="required") == expected(any_call, tools)
+    one_call = f"Find the warranty.\n\nAnswer by calling the tool lookup {fit}"
+    named = prompt_ids(tools=tools, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert named == prompt_ids(tools=tools, tool_choice="lookup") == expected(one_call, tools[1:])
+    # The tool schemas feed the drafters too: a call's arguments copy from them.
+    schema_ids = tool_engine.tokenizer.encode(json.dumps(tools[0], ensure_ascii=False), add_special_tokens=False)
+    assert schema_ids in auto_request.document_ids
+
+
+def test_tool_history_renders_calls_and_results(tool_chat, tool_engine):
+    call = {"name": "search", "args": {"query": "warranty"}, "id": "abc123", "type": "tool_call"}
+    result = ToolMessage('{"result": "parts for two years"}', tool_call_id="abc123", name="search")
+    history = [HumanMessage("What does the warranty cover?"), AIMessage("", tool_calls=[call]), result]
+    as_dicts = [
+        {"role": "user", "content": "What does the warranty cover?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "abc123", "function": {"name": "search", "arguments": {"query": "warranty"}}}]},
+        {"role": "tool", "content": '{"result": "parts for two years"}', "tool_call_id": "abc123", "name": "search"},
+    ]
+    tools = [convert_to_openai_tool(search)]
+    ids = tool_engine.encode_prompt(as_dicts, chat=True, tools=tools)
+    text = tool_engine.tokenizer.decode(ids)
+    assert f"<|im_start|>assistant\n{SEARCH_CALL}<|im_end|>" in text
+    assert text.endswith('<|im_start|>tool\n{"result": "parts for two years"}<|im_end|>\n<|im_start|>assistant\n')
+
+    # The history may end with the tool's result: the model answers it.
+    answer = tool_chat.bind_tools([search]).invoke(history, max_tokens=4)
+    assert tool_engine.requests[-1].prompt_ids == ids and answer.usage_metadata["input_tokens"] == len(ids)
+    assert tool_chat.get_num_tokens_from_messages(history, tools=[search]) == len(ids)
+    assert tool_chat.get_num_tokens_from_messages(history) == len(tool_engine.encode_prompt(as_dicts, chat=True))
+    # The result feeds the drafters.
+    result_ids = tool_engine.tokenizer.encode(result.content, add_special_tokens=False)
+    assert result_ids in tool_engine.requests[-1].document_ids
+    # Anthropic-style content (text and tool_use blocks) and LangChain v1 blocks render the same calls.
+    blocks = AIMessage(
+        [{"type": "tool_use", "id": "abc123", "name": "search", "input": {"query": "warranty"}}], tool_calls=[call]
+    )
+    assert tool_chat.get_num_tokens_from_messages([history[0], blocks, result], tools=[search]) == len(ids)
+    # So does an aggregated stream (an AIMessageChunk), as an agent loop may append it.
+    chunk = AIMessageChunk(content="", tool_call_chunks=[
+        {"name": "search", "args": '{"query": "warranty"}', "id": "abc123", "index": 0, "type": "tool_call_chunk"}])
+    assert tool_chat.get_num_tokens_from_messages([history[0], chunk, result], tools=[search]) == len(ids)
+
+
+def test_greedy_output_with_tools_is_generates(tool_chat, tool_engine):
+    messages = [SystemMessage("Answer briefly."), HumanMessage("What does the warranty cover? Search for it.")]
+    answer = tool_chat.bind_tools([search, lookup]).invoke(messages, max_tokens=24)
+    stream = tool_engine.streams[-1]
+    assert stream.result.token_ids == _greedy(tool_engine.model, tool_engine.requests[-1].prompt_ids, 24)
+    read = parse_tool_calls(stream.result.text)
+    assert answer.content == read.content
+    assert [c["args"] for c in answer.tool_calls] == [c.arguments for c in read.calls]
+
+
+@pytest.mark.parametrize(
+    "said,content,calls,error",
+    [
+        (SEARCH_CALL, "", [("search", {"query": "warranty"})], ""),
+        ('{"name": "search", "arguments": {"query": "warranty"}}', "", [("search", {"query": "warranty"})], ""),
+        ('```json\n{"name": "search", "arguments": {"query": "warranty"}}\n```', "", [("search", {"query": "warranty"})],
+         ""),
+        ('<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call>', None, [],
+         "tool call 0 is not valid JSON"),
+        ("The warranty covers parts for two years.", "The warranty covers parts for two years.", [], ""),
+    ],
+    ids=["tagged", "bare", "fenced", "malformed", "text"],
+)
+def test_calls_in_the_answer_become_tool_calls_streamed_or_not(tool_chat, said, content, calls, error):
+    bound = tool_chat.bind_tools([search, lookup])
+    message = bound.invoke(_echo(said))
+    assert message.content == (said if content is None else content)
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == calls
+    assert all(c["type"] == "tool_call" and c["id"].startswith("call_") for c in message.tool_calls)
+    if error:
+        assert message.invalid_tool_calls[0]["error"].startswith(error)
+        assert message.invalid_tool_calls[0]["name"] == "search"
+        assert message.response_metadata["tool_call_error"].startswith(error)
+    else:
+        assert message.invalid_tool_calls == [] and "tool_call_error" not in message.response_metadata
+
+    chunks = list(bound.stream(_echo(said)))
+    streamed = _aggregate(chunks)
+    assert streamed.content == message.content and streamed.tool_calls == message.tool_calls
+    # The calls come whole, as chunks with their index, once the answer is complete.
+    assert [c["index"] for c in streamed.tool_call_chunks] == list(range(len(calls)))
+    assert streamed.response_metadata.get("tool_call_error") == message.response_metadata.get("tool_call_error")
+    for key in ("input_tokens", "output_tokens"):  # the prompt cache serves the second call more
+        assert streamed.usage_metadata[key] == message.usage_metadata[key]
+
+    async def astreamed() -> AIMessageChunk:
+        return _aggregate([chunk async for chunk in bound.astream(_echo(said))])
+
+    assert asyncio.run(astreamed()).tool_calls == message.tool_calls
+    if not calls and not error:  # plain text streams as it comes
+        assert len(chunks) > 2
+
+
+def test_text_before_calls_streams_and_adds_up_to_invoke(tool_chat):
+    """How a stream splits an answer: all the answers below, cut at every character and at random,
+    emit only what invoke's content starts with, and end with the rest of it."""
+    answers = [
+        'Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+        'Sure:\n```json\n{"name": "search", "arguments": {"query": "water damage"}}\n```\nDone.',
+        'Code:\n```python\nprint(1)\n```\nand then ```json\n{"answer": 42}\n```',
+        '  Leading space <tool_call>{"name": "a", "arguments": {}}</tool_call>',
+        'A < B and `x` ``y`` <tool and <tool_call>{"name": "a", "arguments": {}}',
+        '{"setup": "x", "punchline": "y"}',
+        '{{"name": "magic_function", "arguments": {"input": 3}}}',  # Qwen2.5 copies its template's doubled braces
+        'Searching. {"name": "search", "arguments": {"query": "q"}} Done.',  # a call inside prose
+        'The JSON {"setup": "x"} is not a call; { "name" in prose is not either.',
+    ]
+    rng = random.Random(0)
+    for answer in answers:
+        read = ReadCalls(answer, [])
+        for trial in range(200):
+            every = range(1, len(answer))
+            cuts = sorted(rng.sample(every, rng.randint(0, len(every)))) if trial else every
+            pieces = [answer[i:j] for i, j in zip([0, *cuts], [*cuts, len(answer)])]
+            held = HeldText()
+            emitted = "".join(held.feed(piece) for piece in pieces)
+            assert read.content.startswith(emitted) and emitted + held.finish(read.content) == read.content
+    held = HeldText()
+    assert "".join(held.feed(c) for c in answers[0]) == "Let me look."
+    held = HeldText()
+    assert "".join(held.feed(c) for c in answers[2]) == "Code:\n```python\nprint(1)\n```\nand then"
+
+    # invoke reads the same answers: text and calls apart, ids that differ between answers.
+    first, qwen = ReadCalls(answers[0], []), ReadCalls(answers[6], [])
+    assert first.content == "Let me look."
+    assert [(c["name"], c["args"]) for c in first.tool_calls] == [("a", {}), ("b", {"x": 1})]
+    assert len({c["id"] for c in first.tool_calls + qwen.tool_calls}) == 3
+    assert [(c["name"], c["args"]) for c in qwen.tool_calls] == [("magic_function", {"input": 3})]
+    chunks = [AIMessageChunk(content="Let me look."), AIMessageChunk(content="", tool_call_chunks=first.chunks())]
+    assert _aggregate(chunks).tool_calls == first.tool_calls
+
+
+def test_structured_output_with_function_calling(tool_chat, tool_engine):
+    call = '<tool_call>\n{"name": "Joke", "arguments": ' + json.dumps(JOKE) + "}\n</tool_call>"
+    joke = tool_chat.with_structured_output(Joke).invoke(_echo(call))
+    assert joke == Joke(**JOKE)
+    # Only the schema's tool reaches the template, with the request to call it.
+    prompt = tool_engine.tokenizer.decode(tool_engine.requests[-1].prompt_ids)
+    assert "Tools: Joke<|im_end|>" in prompt and prompt.endswith(
+        "\n\nAnswer by calling the tool Joke with arguments that fit the request, not with text."
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert list(tool_chat.with_structured_output(Joke).stream(_echo(call))) == [Joke(**JOKE)]
+    assert tool_chat.with_structured_output(JokeDict).invoke(_echo(call.replace("Joke", "JokeDict"))) == JOKE
+    assert tool_chat.with_structured_output(Joke.model_json_schema()).invoke(_echo(call)) == JOKE
+
+    # No call, or arguments the schema refuses: raised, or returned beside the raw message.
+    with pytest.raises(OutputParserException, match="without calling the tool Joke"):
+        tool_chat.with_structured_output(Joke).invoke(_echo("No joke today."))
+    raw = tool_chat.with_structured_output(Joke, include_raw=True).invoke(_echo("No joke today."))
+    assert raw["parsed"] is None and isinstance(raw["parsing_error"], OutputParserException)
+    assert raw["raw"].content == "No joke today." and raw["raw"].tool_calls == []
+    bad = call.replace('"punchline"', '"ending"')
+    with pytest.raises(ValidationError, match="punchline"):
+        tool_chat.with_structured_output(Joke).invoke(_echo(bad))
+    raw = tool_chat.with_structured_output(Joke, include_raw=True).invoke(_echo(bad))
+    assert raw["parsed"] is None and isinstance(raw["parsing_error"], ValidationError) and raw["raw"].tool_calls
+    good = tool_chat.with_structured_output(Joke, include_raw=True).invoke(_echo(call))
+    assert good["parsed"] == Joke(**JOKE) and good["parsing_error"] is None
+    assert good["raw"].tool_calls[0]["name"] == "Joke"
+
+
+def test_structured_output_with_json_schema_and_json_mode(engine):
+    """No tools involved: these work with any chat template, SmolLM2's own included."""
+    recorded = RecordingEngine(engine.model, engine.tokenizer, name=MODEL)
+    recorded.cost_model = engine.cost_model
+    chat = ChatSpeculativeHF.from_engine(recorded, model=MODEL, max_tokens=60)
+    said = json.dumps(JOKE)
+    shots = [SystemMessage(ECHO), HumanMessage("hello"), AIMessage("hello")]
+    shots += [HumanMessage('{"a": 1}'), AIMessage('{"a": 1}')]
+    messages = [*shots, HumanMessage(said)]
+    assert chat.with_structured_output(Joke, method="json_schema").invoke(messages) == Joke(**JOKE)
+    system = recorded.tokenizer.decode(recorded.requests[-1].prompt_ids).split("<|im_end|>")[0]
+    schema = json.dumps(convert_to_json_schema(Joke))
+    asked = f"Answer with one JSON object that follows this JSON schema, and nothing else:\n{schema}"
+    assert system == f"<|im_start|>system\n{ECHO}\n\n{asked}"
+    assert chat.with_structured_output(JokeDict, method="json_schema").invoke(messages) == JOKE
+    assert chat.with_structured_output(Joke, method="json_mode").invoke(messages) == Joke(**JOKE)
+    assert recorded.tokenizer.decode(recorded.requests[-1].prompt_ids).startswith(
+        "<|im_start|>system\n" + ECHO + "\n\nAnswer with one JSON object and nothing else.<|im_end|>"
+    )
+    assert chat.with_structured_output(None, method="json_mode").invoke(messages) == JOKE
+    fenced = [*shots, HumanMessage(f"```json\n{said}\n```")]  # a fenced block is read too
+    assert chat.with_structured_output(Joke, method="json_mode").invoke(fenced) == Joke(**JOKE)
+    streamed = list(chat.with_structured_output(JokeDict, method="json_mode").stream(messages))
+    assert streamed[-1] == JOKE and len(streamed) > 1  # JSON parses as it streams, partial objects first
+
+    not_json = [*shots, HumanMessage("Paris")]
+    with pytest.raises(OutputParserException):
+        chat.with_structured_output(Joke, method="json_mode").invoke(not_json)
+    raw = chat.with_structured_output(Joke, method="json_mode", include_raw=True).invoke(not_json)
+    assert raw["parsed"] is None and isinstance(raw["parsing_error"], OutputParserException) and raw["raw"].content
+
+
+def test_structured_output_arguments_are_checked_when_built(chat):
+    with pytest.raises(ValueError, match="schema 42 cannot be converted"):
+        chat.with_structured_output(42)
+    with pytest.raises(ValueError, match="schema 42 cannot be converted"):
+        chat.with_structured_output(42, method="json_schema")
+    with pytest.raises(ValueError, match="method must be one of"):
+        chat.with_structured_output(Joke, method="xml")
+    with pytest.raises(ValueError, match="needs a schema"):
+        chat.with_structured_output(None)
+    with pytest.raises(ValueError, match="unsupported arguments"):
+        chat.with_structured_output(Joke, temperature=0.5)
+    for method in ("function_calling", "json_schema", "json_mode"):
+        assert chat.with_structured_output(Joke, method=method, strict=True) is not None
+    with pytest.raises(ValueError, match="response_format must be"):
+        chat.invoke("hi", response_format={"type": "yaml"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
@@ -15,7 +15,8 @@ from rag_speculate.serving import DTYPES, TOKEN_IDS_KEY, check_call_arguments, s
 
 # LangSmith groups runs by provider; LangChain partner packages use their package's suffix.
 PROVIDER = "rag_speculate"
-# What a caller may pass per call (besides `stop`), through invoke/stream/batch keyword arguments or `.bind`.
+# What a caller may pass per call (besides `stop`), through invoke/stream/batch keyword arguments or `.bind`
+# (the chat model also takes tools, tool_choice and response_format: `_tools.TOOL_ARGUMENTS`).
 CALL_ARGUMENTS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "documents")
 # What tells two configurations apart (LangChain's caches and tracing key on it).
 IDENTIFYING_PARAMS = (
@@ -41,6 +42,9 @@ class SpeculativeHFParams(BaseModel):
     """Settings of a rag-speculate model; every one except the loading ones can be overridden per call."""
 
     model_config = MODEL_CONFIG
+
+    # The per-call arguments this class accepts (besides `stop`).
+    call_arguments: ClassVar[tuple[str, ...]] = CALL_ARGUMENTS
 
     model: str | None = Field(default=None, validation_alias=AliasChoices("model", "model_id"))
     """A packaged model name (e.g. "qwen2.5-coder-1.5b-instruct"), a .gguf file, a local folder or a Hugging Face id."""
@@ -121,9 +125,10 @@ class SpeculativeHFParams(BaseModel):
         return {name: getattr(self, name) for name in IDENTIFYING_PARAMS}
 
     def _generation_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The engine's keyword arguments for one call: the settings, overridden by what the call passed."""
+        """The engine's keyword arguments for one call: the settings, overridden by what the call passed
+        (the chat model reads its own arguments, the tools, itself)."""
         # stop arrives as its own parameter in LangChain, so it is allowed here too.
-        check_call_arguments(type(self).__name__, kwargs, ("stop", *CALL_ARGUMENTS))
+        check_call_arguments(type(self).__name__, kwargs, ("stop", *self.call_arguments))
         return {
             "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),
