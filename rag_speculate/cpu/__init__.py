@@ -1,7 +1,8 @@
 """CPU kernels for decoding and verification forwards: an optimisation layer the core never imports.
 
-The engine and the draft model ask `forward_context` for the context their forwards run in; only
-there, and only for a model on the CPU, are the kernel modules imported.
+The engine and the draft model ask `forward_context` (through `decoding.forward.kernel_context`) for
+the context their forwards run in; only there, and only for a model on the CPU, are the kernel
+modules imported.
 """
 
 from __future__ import annotations

@@ -68,6 +68,31 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     return _calls(bodies, "".join(rest).strip(), text)
 
 
+# What a streamed answer may still turn into a call as more text arrives: a tag, a fence opening a
+# JSON object (or that could, once its language name is complete), an object whose first key is "name".
+_TAG = "<tool_call>"
+_FENCE = "```"
+_LIVE_FENCE = re.compile(r"```(?:json)?\s*\{")
+_OPENING_FENCE = re.compile(r"```(?:\s*|j|js|jso|json\s*)")
+_NAME_KEY = '"name"'
+
+
+def may_start_call(text: str, position: int) -> bool:
+    """Whether a call `parse_tool_calls` reads may begin at `position` of an answer still being
+    written (text from there is to be held back from a stream until the answer is whole)."""
+    rest = text[position:]
+    if rest[0] == "<":
+        return rest.startswith(_TAG) or _TAG.startswith(rest)
+    if rest[0] == "`":
+        if not rest.startswith(_FENCE):
+            return _FENCE.startswith(rest)
+        return bool(_LIVE_FENCE.match(rest) or _OPENING_FENCE.fullmatch(rest))
+    if rest[0] == "{":
+        key = (rest[2:] if rest.startswith("{{") else rest[1:]).lstrip()
+        return key.startswith(_NAME_KEY) or _NAME_KEY.startswith(key)
+    return False
+
+
 def _object_end(text: str, start: int) -> int | None:
     """Where the JSON object at `start` ends, past any closing braces a doubled opening one brought."""
     doubled = text.startswith("{{", start)

@@ -17,7 +17,7 @@ from langchain_core.messages import InvalidToolCall, ToolCall, ToolCallChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, parse_tool_calls
+from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, may_start_call, parse_tool_calls
 
 # The per-call arguments of the chat model beyond the shared ones.
 TOOL_ARGUMENTS = ("tools", "tool_choice", "response_format")
@@ -178,14 +178,6 @@ class ReadCalls:
         ]
 
 
-_TAG = "<tool_call>"
-_FENCE = "```"
-_LIVE_FENCE = re.compile(r"```(?:json)?\s*\{")
-# A fence that could still open a JSON object once more text arrives.
-_OPENING_FENCE = re.compile(r"```(?:\s*|j|js|jso|json\s*)")
-_NAME_KEY = '"name"'
-
-
 class HeldText:
     """Streams an answer that may contain tool calls: text is emitted once nothing after it can turn
     it into part of a call; what could is held back to the end, when the whole answer is parsed.
@@ -219,21 +211,7 @@ class HeldText:
             return 0
         # What was emitted held no possible call start when it was, and a start ruled out stays ruled out.
         for p in range(self.emitted, len(text)):
-            if _may_start_call(text, p):
+            if may_start_call(text, p):
                 return len(text[:p].rstrip())
         return len(text.rstrip())
 
-
-def _may_start_call(text: str, p: int) -> bool:
-    rest = text[p:]
-    if rest[0] == "<":
-        return rest.startswith(_TAG) or _TAG.startswith(rest)
-    if rest[0] == "`":
-        if not rest.startswith(_FENCE):
-            return _FENCE.startswith(rest)
-        return bool(_LIVE_FENCE.match(rest) or _OPENING_FENCE.fullmatch(rest))
-    if rest[0] == "{":
-        key = rest[2:] if rest.startswith("{{") else rest[1:]
-        key = key.lstrip()
-        return key.startswith(_NAME_KEY) or _NAME_KEY.startswith(key)
-    return False
