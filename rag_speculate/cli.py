@@ -4,6 +4,8 @@
     rag-speculate ask DIR "question"        retrieve, answer with speculative decoding, show sources and stats
     rag-speculate demo                      the whole pipeline on the shipped Natural Questions corpus,
                                             accelerated and plain, with timings
+    rag-speculate serve --model NAME        an OpenAI-compatible server (--index DIR to retrieve;
+                                            --ray --replicas N for replicas on Ray Serve)
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ import torch
 
 from .decoding.baseline import timed_generate
 from .retrieval.corpus import ChunkingOptions, CorpusIndex, drafting_documents, rag_messages, read_corpus
-from .drafters import NGramTrieDrafter, OuroborosDrafter, RESTDrafter
+from .retrieval.rag import rag_engine
 from .decoding.engine import SpeculativeEngine
 from .errors import RagSpeculateError
 from .cpu.kernels import FastKernels
-from .models.int8 import int8_draft_model
-from .models.loading import load_model
 from .models.packaged import cache_dir
 from .decoding.result import GenerationResult
 
@@ -57,11 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     _add_answer_options(demo)
     _add_model_options(demo)
 
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--index", type=Path, default=None, help="an index folder: requests may ask to retrieve from it, and the REST drafter drafts from its corpus")
+    serve.add_argument("--draft-model", default=None, help="a small model sharing the target's tokenizer, to draft with too")
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: the model's)")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queued", type=int, default=16, help="requests that may wait for the engine; more get 503")
+    serve.add_argument("--ray", action="store_true", help="run replicas on Ray Serve (a local Ray, or the cluster RAY_ADDRESS names)")
+    serve.add_argument("--replicas", type=int, default=1, help="with --ray: engines, each a replica of its own")
+    serve.add_argument("--cpus-per-replica", type=float, default=1.0, help="with --ray: the CPUs Ray reserves for each replica")
+    _add_model_options(serve)
+
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return {"index": run_index, "ask": run_ask, "demo": run_demo}[args.command](args)
+        return {"index": run_index, "ask": run_ask, "demo": run_demo, "serve": run_serve}[args.command](args)
     except RagSpeculateError as error:
         print(f"rag-speculate {args.command}: {error}", file=sys.stderr)
         return 1
@@ -110,7 +123,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index)
-    engine = _rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model)
+    engine = rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model, _progress)
     result, chunks = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
     _print_sources(chunks)
@@ -133,7 +146,7 @@ def run_demo(args: argparse.Namespace) -> int:
     index = CorpusIndex.build(
         nq_documents(), folder, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
     )
-    engine = _rag_engine(engine, index, args.draft_model)
+    engine = rag_engine(engine, index, args.draft_model, _progress)
     _progress("warming up")
     engine.generate([1, 2, 3], max_new_tokens=4)
     # The first forward over a prompt this long pays one-off allocations, which would fall on
@@ -169,17 +182,29 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rag_engine(engine: SpeculativeEngine, index: CorpusIndex, draft_model: str | None) -> SpeculativeEngine:
-    """`engine`'s model drafting from the retrieved chunks (trie), the whole corpus (REST) and, if
-    given, a draft model, in one tree."""
-    index.check_tokenizer(engine.tokenizer)
-    drafters = [NGramTrieDrafter(), RESTDrafter(index.datastore)]
-    if draft_model:
-        model, tokenizer = load_model(draft_model, dtype=engine.model.dtype, device=engine.model.device, progress=_progress)
-        if model.device.type == "cpu":
-            model = int8_draft_model(model)
-        drafters.append(OuroborosDrafter(model, tokenizer))
-    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name)
+def run_serve(args: argparse.Namespace) -> int:
+    from .serve import ServerConfig
+
+    config = ServerConfig(
+        model=args.model, index=args.index, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+        served_name=args.served_model_name, max_queued=args.max_queued,
+    )
+    if args.ray:
+        from .serve import ray_serve
+
+        _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s)")
+        ray_serve.run(config, args.replicas, args.host, args.port, args.cpus_per_replica)
+        return 0
+    import uvicorn
+
+    from .serve import Server, load
+    from .serve.app import create_app
+
+    engine, index = load(config)
+    server = Server(engine, config.name, index, max_queued=config.max_queued)
+    _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1")
+    uvicorn.run(create_app(server, max_body_bytes=config.max_body_bytes), host=args.host, port=args.port)
+    return 0
 
 
 def _answer(engine: SpeculativeEngine, index: CorpusIndex, question: str, k: int, max_new_tokens: int):

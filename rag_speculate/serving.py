@@ -100,7 +100,9 @@ async def aiterate(stream: GenerationStream) -> AsyncIterator[str]:
                 raise item
             yield item
     finally:
+        # Stop the generation now rather than when the producer next hears from it.
         abandoned.set()
+        stream.close()
 
 
 def collect(stream: GenerationStream) -> GenerationResult:

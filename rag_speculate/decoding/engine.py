@@ -128,7 +128,11 @@ class SpeculativeEngine:
         The generation runs on a worker thread to its end unless the stream is closed (or dropped):
         a caller that stops reading never holds the engine, whatever thread comes next.
         """
-        request = self.prepare(prompt, **options)
+        return self.stream_request(self.prepare(prompt, **options))
+
+    def stream_request(self, request: Request) -> GenerationStream:
+        """`stream` for a request `prepare` has checked: a server checks a request when it arrives
+        and starts it when the engine is free."""
         return GenerationStream(lambda cancelled: self._run(request, cancelled))
 
     def prepare(

@@ -12,6 +12,7 @@ back as content, with the reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -155,3 +156,48 @@ def tool_documents(tools: Sequence[dict] | None, messages: Sequence[dict]) -> li
     tool results in the history, as documents for the drafters."""
     schemas = [json.dumps(tool, ensure_ascii=False) for tool in tools or ()]
     return schemas + [m["content"] for m in messages if m.get("role") == "tool" and m.get("content")]
+
+
+def call_id_prefix(messages: list[dict], text: str) -> str:
+    """Call ids that are the same for the same prompt and answer (invoke and stream agree; greedy
+    answers repeat) and differ between turns of a conversation."""
+    digest = hashlib.sha1(json.dumps([messages, text], ensure_ascii=False, sort_keys=True, default=str).encode())
+    return f"call_{digest.hexdigest()[:16]}"
+
+
+class HeldText:
+    """Streams an answer that may contain tool calls: text is emitted once nothing after it can turn
+    it into part of a call; what could is held back to the end, when the whole answer is parsed.
+
+    Everything emitted is a prefix of the content `parse_tool_calls` leaves, so the streamed content
+    adds up to invoke's. Held: an answer that starts with whitespace, whole; elsewhere, from where a
+    call may begin on (a "<tool_call>" tag, a fence opening a JSON object, a JSON object whose first
+    key is "name", with doubled braces too), and the whitespace before it.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.emitted = 0
+
+    def feed(self, delta: str) -> str:
+        """The new text that is safe to emit now."""
+        self.text += delta
+        safe = self._safe_length()
+        if safe <= self.emitted:
+            return ""
+        out, self.emitted = self.text[self.emitted : safe], safe
+        return out
+
+    def finish(self, content: str) -> str:
+        """The rest of the final content, after what was emitted."""
+        return content[self.emitted :]
+
+    def _safe_length(self) -> int:
+        text = self.text
+        if not text or text[0].isspace():
+            return 0
+        # What was emitted held no possible call start when it was, and a start ruled out stays ruled out.
+        for p in range(self.emitted, len(text)):
+            if may_start_call(text, p):
+                return len(text[:p].rstrip())
+        return len(text.rstrip())

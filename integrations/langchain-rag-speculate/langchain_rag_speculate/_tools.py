@@ -7,7 +7,6 @@ decoder), so what a template and an instruction cannot make the model do, nothin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from langchain_core.messages import InvalidToolCall, ToolCall, ToolCallChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, may_start_call, parse_tool_calls
+from rag_speculate.decoding.tool_calls import ParsedToolCalls, call_id_prefix, check_tools, parse_tool_calls
 
 # The per-call arguments of the chat model beyond the shared ones.
 TOOL_ARGUMENTS = ("tools", "tool_choice", "response_format")
@@ -142,13 +141,6 @@ def with_instructions(messages: list[dict], *, system: str | None = None, last: 
 # --- reading the calls back ------------------------------------------------------------------
 
 
-def call_id_prefix(messages: list[dict], text: str) -> str:
-    """Call ids that are the same for the same prompt and answer (invoke and stream agree; greedy
-    answers repeat) and differ between turns of a conversation."""
-    digest = hashlib.sha1(json.dumps([messages, text], ensure_ascii=False, sort_keys=True, default=str).encode())
-    return f"call_{digest.hexdigest()[:16]}"
-
-
 class ReadCalls:
     """The tool calls in one answer, as `AIMessage` fields: the text without the calls, the calls,
     and a malformed call with the parser's reason."""
@@ -176,42 +168,3 @@ class ReadCalls:
             )
             for i, call in enumerate(self.tool_calls)
         ]
-
-
-class HeldText:
-    """Streams an answer that may contain tool calls: text is emitted once nothing after it can turn
-    it into part of a call; what could is held back to the end, when the whole answer is parsed.
-
-    Everything emitted is a prefix of the content `parse_tool_calls` leaves, so the streamed content
-    adds up to invoke's. Held: an answer that starts with whitespace, whole; elsewhere, from where a
-    call may begin on (a "<tool_call>" tag, a fence opening a JSON object, a JSON object whose first
-    key is "name", with doubled braces too), and the whitespace before it.
-    """
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.emitted = 0
-
-    def feed(self, delta: str) -> str:
-        """The new text that is safe to emit now."""
-        self.text += delta
-        safe = self._safe_length()
-        if safe <= self.emitted:
-            return ""
-        out, self.emitted = self.text[self.emitted : safe], safe
-        return out
-
-    def finish(self, content: str) -> str:
-        """The rest of the final content, after what was emitted."""
-        return content[self.emitted :]
-
-    def _safe_length(self) -> int:
-        text = self.text
-        if not text or text[0].isspace():
-            return 0
-        # What was emitted held no possible call start when it was, and a start ruled out stays ruled out.
-        for p in range(self.emitted, len(text)):
-            if may_start_call(text, p):
-                return len(text[:p].rstrip())
-        return len(text.rstrip())
-

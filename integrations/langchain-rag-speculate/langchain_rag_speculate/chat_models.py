@@ -32,12 +32,12 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from rag_speculate import GenerationResult, GenerationStream
+from rag_speculate.decoding.tool_calls import HeldText
 from rag_speculate.serving import acollect, aiterate, collect, token_usage
 
 from ._common import CALL_ARGUMENTS, MODEL_CONFIG, SpeculativeHFParams
 from ._tools import (
     TOOL_ARGUMENTS,
-    HeldText,
     ReadCalls,
     chosen_tool,
     convert_tools,

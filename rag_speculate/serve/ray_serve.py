@@ -1,0 +1,57 @@
+"""Replicas of the server on Ray Serve: the same FastAPI app, one engine per replica.
+
+`serve.ingress` wraps the app each replica builds around its own engine, so a request reaches the
+same routes, checks and responses as on a standalone server. Ray's router sends a request to a
+replica with room (`max_ongoing_requests`: the one generation an engine runs plus a few waiting,
+already tokenized) and holds the rest in its own queue up to `max_queued_requests`, past which it
+answers 503. Each replica keeps its own prompt cache and phrase pool; the index files are opened
+read-only, the token arrays memory-mapped, so replicas on one node share them in the page cache.
+Cancellation reaches a replica's request only at an `await`: the engine's steps run on a worker
+thread, so the awaiting request is cancelled at once and stops the generation at its next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from .app import create_app
+from .config import ServerConfig, load
+from .metrics import Metrics
+from .server import Server
+
+# Requests one replica holds: the one its engine runs and the next ones, checked and tokenized.
+REPLICA_ONGOING = 4
+
+
+@serve.deployment(name="rag-speculate", max_ongoing_requests=REPLICA_ONGOING)
+@serve.ingress()
+class ServerReplica:
+    def __init__(self, config: ServerConfig):
+        engine, index = load(config)
+        self.server = Server(engine, config.name, index, max_queued=REPLICA_ONGOING - 1, metrics=Metrics("ray"))
+        self.config = config
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.server, max_body_bytes=self.config.max_body_bytes)
+
+
+def application(config: ServerConfig, replicas: int = 1, cpus_per_replica: float = 1.0) -> serve.Application:
+    """The deployment for `serve.run`: `replicas` engines, and at most `config.max_queued` requests
+    queued in Ray's router beyond what they hold."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    options = {"num_replicas": replicas, "max_queued_requests": config.max_queued,
+               "ray_actor_options": {"num_cpus": cpus_per_replica}}
+    return ServerReplica.options(**options).bind(config)
+
+
+def run(config: ServerConfig, replicas: int, host: str, port: int, cpus_per_replica: float = 1.0, blocking: bool = True) -> None:
+    """Start (or join, where RAY_ADDRESS names a cluster) Ray, and serve `replicas` on host:port."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(config, replicas, cpus_per_replica), name="rag-speculate", route_prefix="/", blocking=blocking)
