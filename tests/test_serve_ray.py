@@ -1,0 +1,69 @@
+"""Two replicas of the server on a local Ray Serve instance, through Ray's HTTP proxy on 127.0.0.1:
+both run, answers match the in-process engine's, and errors keep OpenAI's shape."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from live_server import DOCUMENT, MODEL, free_port
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+
+@pytest.fixture(scope="module")
+def ray_url():
+    from ray import serve
+
+    from rag_speculate.serve import ServerConfig
+    from rag_speculate.serve.ray_serve import application
+
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=8)
+        serve.run(application(config, replicas=2, cpus_per_replica=1), name="rag-speculate", route_prefix="/")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_two_replicas_answer_as_the_engine_does(ray_url):
+    from ray import serve
+
+    from rag_speculate.serving import shared_engine
+
+    status = serve.status().applications["rag-speculate"].deployments["rag-speculate"]
+    assert status.replica_states == {"RUNNING": 2}
+
+    engine = shared_engine(MODEL, dtype="float32", device="cpu", draft_budget=None)
+    questions = [f"{DOCUMENT}\n\n{q}" for q in ("Who designed it?", "Where is it?", "When was it built?", "What is it?")]
+    expected = [engine.generate([{"role": "user", "content": q}], chat=True, documents=[DOCUMENT], max_new_tokens=16).text
+                for q in questions]
+    client = openai.OpenAI(base_url=ray_url, api_key="unused", max_retries=0, timeout=120)
+
+    def ask(i: int) -> str:
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": questions[i % 4]}], max_tokens=16,
+                      temperature=0, extra_body={"documents": [DOCUMENT]})
+        if i % 2:
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)
+        response = client.chat.completions.create(**kwargs)
+        assert response.model_extra["acceleration"]["new_tokens"] > 0
+        return response.choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert answers == [expected[i % 4] for i in range(8)]
+
+
+def test_models_and_errors_through_the_proxy(ray_url):
+    client = openai.OpenAI(base_url=ray_url, api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    response = httpx.post(f"{ray_url}/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
