@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from live_server import DOCUMENT, MODEL, serving
+from live_server import DOCUMENT, MODEL
+from rag_speculate.serve.background import running as serving
 
 pytest.importorskip("fastapi")
 

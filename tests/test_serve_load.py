@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from live_server import DOCUMENT, MODEL, serving, wait_until
+from live_server import DOCUMENT, MODEL, wait_until
+from rag_speculate.serve.background import running as serving
 
 pytest.importorskip("fastapi")
 

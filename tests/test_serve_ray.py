@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from live_server import DOCUMENT, MODEL, free_port
+from live_server import DOCUMENT, MODEL
+from rag_speculate.serve.background import free_port
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")

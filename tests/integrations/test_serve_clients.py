@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from live_server import DOCUMENT, serving
+from live_server import DOCUMENT
+from rag_speculate.serve.background import running as serving
 
 from .conftest import MODEL
 
