@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ask = commands.add_parser("ask", help="answer a question from an index")
     ask.add_argument("index", type=Path, help="a folder written by `rag-speculate index`")
     ask.add_argument("question")
+    ask.add_argument("--embedding-model", default=None, help="the embedding model's folder, for an index built from one (default: the one its manifest names)")
     _add_answer_options(ask)
     _add_model_options(ask)
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--index", type=Path, default=None, help="an index folder: requests may ask to retrieve from it, and the REST drafter drafts from its corpus")
+    serve.add_argument("--embedding-model", default=None, help="the embedding model's folder, for an index built from one")
     serve.add_argument("--draft-model", default=None, help="a small model sharing the target's tokenizer, to draft with too")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: the model's)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -122,7 +124,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 
 def run_ask(args: argparse.Namespace) -> int:
-    index = CorpusIndex.load(args.index)
+    index = CorpusIndex.load(args.index, embedder=args.embedding_model)
     engine = rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model, _progress)
     result, chunks = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
@@ -186,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from .serve import ServerConfig
 
     config = ServerConfig(
-        model=args.model, index=args.index, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+        model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         served_name=args.served_model_name, max_queued=args.max_queued,
     )
     if args.ray:

@@ -138,7 +138,7 @@ def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):
     text = 'Let me look.\n<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel height"}}\n</tool_call>'
     result = GenerationResult(text, [1, 2], "eos", GenerationStats(prompt_tokens=5, new_tokens=2, target_forwards=2))
 
-    whole = _Reply("chatcmpl", MODEL, job).chat_completion(result, server)
+    whole = _Reply(server, body, job).whole(result)
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
     [call] = choice["message"]["tool_calls"]
@@ -151,7 +151,7 @@ def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):
         yield result
 
     async def chunks():
-        return [c async for c in _Reply("chatcmpl", MODEL, job).chat_chunks(body, server, deltas())]
+        return [c async for c in _Reply(server, body, job).chunks(deltas())]
 
     streamed = asyncio.run(chunks())
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed)
@@ -246,6 +246,9 @@ def test_retrieval_from_the_servers_index(engine, tmp_path):
         response = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0, extra_body={"retrieve": 2}
         )
+        with pytest.raises(openai.BadRequestError, match="user message"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": question}], max_tokens=4,
+                                           extra_body={"retrieve": 2})
     assert response.choices[0].message.content == expected.text
     assert [s["id"] for s in response.model_extra["sources"]] == [c.id for c in chunks]
     assert response.model_extra["acceleration"]["accepted_tokens"]

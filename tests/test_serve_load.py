@@ -89,6 +89,8 @@ def test_a_client_that_stops_waiting_cancels_its_generation(engine):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
         wait_until(lambda: engine_free(engine) and server.admission.running == 0, timeout=10, what="the engine to be freed")
+        counted = 'rag_speculate_requests_total{endpoint="/v1/completions",status="499"} 1.0'
+        wait_until(lambda: counted in httpx.get(url.removesuffix("/v1") + "/metrics").text, timeout=10, what="the 499 counted")
 
 
 def test_a_full_queue_answers_503_with_retry_after(engine):

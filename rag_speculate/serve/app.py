@@ -12,6 +12,7 @@ for a body over the size limit, 503 with Retry-After when the queue is full.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -42,6 +43,8 @@ from .server import Job, RequestError, Server, finish_reason
 
 # What a client refused for a full queue is told to wait before trying again.
 RETRY_AFTER_S = 1
+# The status a request whose client disconnected is counted under (nginx's); nobody reads it.
+CLIENT_GONE = 499
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -69,35 +72,40 @@ def create_app(server: Server, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastA
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        job = await asyncio.to_thread(server.chat_job, body)
-        reply = _Reply("chatcmpl", server.name, job)
-        if body.stream:
-            server.admission.check()
-            return EventSourceResponse(_events(reply.chat_chunks(body, server, server.stream(job))))
-        result = await _unless_disconnected(request, server.run(job))
-        return JSONResponse(reply.chat_completion(result, server))
+        return await _respond(request, server, body, await asyncio.to_thread(server.chat_job, body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        job = await asyncio.to_thread(server.completion_job, body)
-        reply = _Reply("cmpl", server.name, job)
-        if body.stream:
-            server.admission.check()
-            return EventSourceResponse(_events(reply.completion_chunks(body, server, server.stream(job))))
-        result = await _unless_disconnected(request, server.run(job))
-        return JSONResponse(reply.completion(result))
+        return await _respond(request, server, body, await asyncio.to_thread(server.completion_job, body))
 
     return app
+
+
+async def _respond(request: Request, server: Server, body: ChatCompletionRequest | CompletionRequest, job: Job) -> Response:
+    """The whole answer once generated, or (with `stream`) its chunks as server-sent events."""
+    reply = _Reply(server, body, job)
+    if body.stream:
+        server.admission.check()  # a full queue is a 503 before the stream begins
+        return EventSourceResponse(_events(reply.chunks(server.stream(job))))
+    result = await _unless_disconnected(request, server.run(job))
+    return JSONResponse(reply.whole(result)) if result else Response(status_code=CLIENT_GONE)
 
 
 class _Reply:
     """The responses to one request, in OpenAI's types; one id and creation time for all its chunks."""
 
-    def __init__(self, prefix: str, model: str, job: Job):
-        self.id, self.created, self.model, self.job = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, job
+    def __init__(self, server: Server, body: ChatCompletionRequest | CompletionRequest, job: Job):
+        self.server, self.body, self.job, self.model = server, body, job, server.name
+        self.id, self.created = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-    def chat_completion(self, result: GenerationResult, server: Server) -> dict:
-        calls = server.tool_calls(self.job, result.text)
+    def whole(self, result: GenerationResult) -> dict:
+        return self.chat_completion(result) if self.job.chat else self.completion(result)
+
+    def chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
+        return self.chat_chunks(deltas) if self.job.chat else self.completion_chunks(deltas)
+
+    def chat_completion(self, result: GenerationResult) -> dict:
+        calls = self.server.tool_calls(self.job, result.text)
         message = {"role": "assistant", "content": result.text if calls is None else calls.content}
         if calls is not None:
             message["tool_calls"] = calls.calls
@@ -112,7 +120,7 @@ class _Reply:
                               choices=[choice], usage=CompletionUsage(**token_usage(result.stats)))
         return self._extended(response, result)
 
-    async def chat_chunks(self, body: ChatCompletionRequest, server: Server, deltas: AsyncIterator) -> AsyncIterator[dict]:
+    async def chat_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
         yield self._chat_chunk(ChoiceDelta(role="assistant", content=""))
         held = HeldText() if self.job.tools else None
         async for item in deltas:
@@ -121,7 +129,7 @@ class _Reply:
                 if text:
                     yield self._chat_chunk(ChoiceDelta(content=text))
                 continue
-            calls = server.tool_calls(self.job, item.text)
+            calls = self.server.tool_calls(self.job, item.text)
             if held is not None:
                 rest = held.finish(item.text if calls is None else calls.content or "")
                 if rest:
@@ -130,16 +138,16 @@ class _Reply:
                 tool_deltas = [{"index": i, **call} for i, call in enumerate(calls.calls)]
                 yield self._chat_chunk(ChoiceDelta(tool_calls=tool_deltas))
             yield self._extended(self._chat_chunk(ChoiceDelta(), finish_reason(item, calls), dump=False), item)
-            if body.stream_options and body.stream_options.include_usage:
+            if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._usage_chunk(ChatCompletionChunk, "chat.completion.chunk", item)
 
-    async def completion_chunks(self, body: CompletionRequest, server: Server, deltas: AsyncIterator) -> AsyncIterator[dict]:
+    async def completion_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
         async for item in deltas:
             if isinstance(item, str):
                 yield self._completion_chunk(item, None).model_dump(mode="json", exclude_unset=True)
                 continue
             yield self._extended(self._completion_chunk("", finish_reason(item, None)), item)
-            if body.stream_options and body.stream_options.include_usage:
+            if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._usage_chunk(Completion, "text_completion", item)
 
     def _chat_chunk(self, delta: ChoiceDelta, finish: str | None = None, dump: bool = True) -> Any:
@@ -184,19 +192,22 @@ async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield "[DONE]"
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`work`, cancelled if the client disconnects first (which stops its generation)."""
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client disconnects first: then `work` is cancelled, which
+    stops its generation."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
-    if task.cancelled():
-        raise asyncio.CancelledError("the client disconnected")
-    return task.result()
+    if task.done():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):  # let it leave the queue, or stop its generation
+        await task
+    return None
 
 
 async def _disconnected(request: Request) -> None:

@@ -17,11 +17,13 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 class ServerConfig:
     """`model`: a packaged name, folder, .gguf or hub id (what clients send as "model" is
     `served_name`, by default the model's name); `index`: a folder from `rag-speculate index`,
-    opened read-only, for retrieval and for the REST drafter; `max_queued`: requests waiting for the
+    opened read-only, for retrieval and for the REST drafter (`embedding_model`: the folder of the
+    model that embedded it, when it was built from one); `max_queued`: requests waiting for the
     engine beyond the one it runs, after which the server answers 503."""
 
     model: str
     index: Path | None = None
+    embedding_model: str | None = None
     draft_model: str | None = None
     device: str | None = None
     dtype: str = "auto"
@@ -42,5 +44,7 @@ def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     base = SpeculativeEngine.from_pretrained(config.model, dtype=DTYPES[config.dtype], device=config.device)
-    index = CorpusIndex.load(config.index, tokenizer=base.tokenizer) if config.index is not None else None
+    index = None
+    if config.index is not None:
+        index = CorpusIndex.load(config.index, tokenizer=base.tokenizer, embedder=config.embedding_model)
     return rag_engine(base, index, config.draft_model), index

@@ -2,9 +2,9 @@
 
 `serve.ingress` wraps the app each replica builds around its own engine, so a request reaches the
 same routes, checks and responses as on a standalone server. Ray's router sends a request to a
-replica with room (`max_ongoing_requests`: the one generation an engine runs plus a few waiting,
-already tokenized) and holds the rest in its own queue up to `max_queued_requests`, past which it
-answers 503. Each replica keeps its own prompt cache and phrase pool; the index files are opened
+replica with room (`max_ongoing_requests`: the one generation an engine runs, and the next, already
+tokenized, so the engine never idles between them) and holds the rest in its own queue up to
+`max_queued_requests`, past which it answers 503: requests wait where any replica can take them. Each replica keeps its own prompt cache and phrase pool; the index files are opened
 read-only, the token arrays memory-mapped, so replicas on one node share them in the page cache.
 Cancellation reaches a replica's request only at an `await`: the engine's steps run on a worker
 thread, so the awaiting request is cancelled at once and stops the generation at its next step.
@@ -21,14 +21,21 @@ from .config import ServerConfig, load
 from .metrics import Metrics
 from .server import Server
 
-# Requests one replica holds: the one its engine runs and the next ones, checked and tokenized.
-REPLICA_ONGOING = 4
+# Requests one replica holds: the one its engine runs and the next, checked and tokenized.
+REPLICA_ONGOING = 2
 
 
 @serve.deployment(name="rag-speculate", max_ongoing_requests=REPLICA_ONGOING)
 @serve.ingress()
 class ServerReplica:
     def __init__(self, config: ServerConfig):
+        import ray
+        import torch
+
+        # As many torch threads as CPUs Ray reserved for the replica: more would oversubscribe the node.
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        if cpus:
+            torch.set_num_threads(max(1, int(cpus)))
         engine, index = load(config)
         self.server = Server(engine, config.name, index, max_queued=REPLICA_ONGOING - 1, metrics=Metrics("ray"))
         self.config = config

@@ -102,7 +102,10 @@ class Server:
         """The conversation with the last user turn asking over the index's `k` best chunks for it."""
         if self.index is None:
             raise RequestError("retrieve", "this server has no index to retrieve from: start it with --index DIR")
-        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise RequestError("messages", "retrieve needs a user message to retrieve for")
+        last = users[-1]
         question = messages[last]["content"]
         chunks = _as_param("messages", self.index.search, question, k)
         system, user = rag_messages(question, chunks)

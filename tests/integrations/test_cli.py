@@ -56,6 +56,19 @@ def test_ask_with_a_draft_model_gives_the_same_answer(index, capsys):
     assert answers[0] == answers[1] and answers[0].strip()
 
 
+def test_an_index_built_with_a_folder_embedder_is_asked_with_that_folder(corpus, tmp_path, capsys):
+    from rag_speculate.retrieval.embedding import packaged_embedding_path
+
+    folder, out = str(packaged_embedding_path()), tmp_path / "index"
+    with pytest.warns(RuntimeWarning, match="skipped 1"):
+        assert main(["index", str(corpus), "--out", str(out), "--embedding-model", folder, *COMMON]) == 0
+    question = ["ask", str(out), "Who owns Reading Football Club?", "-k", "1", "--max-new-tokens", "4", *COMMON]
+    assert main(question) == 1  # the manifest names a path, which an index never opens
+    assert "never opens a path" in capsys.readouterr().err
+    assert main([*question, "--embedding-model", folder]) == 0
+    assert ": 'Reading Football Club is owned" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -78,3 +91,40 @@ def test_demo_indexes_the_shipped_corpus_and_answers_identically(tmp_path, capsy
     assert "Question: who got the first nobel prize in physics" in out
     assert "List of Nobel laureates in Physics" in out  # the gold passage is retrieved
     assert "identical output: True" in out
+
+
+def test_serve_answers_over_http_and_retrieves_from_its_index(index, tmp_path):
+    """`rag-speculate serve --index` as users start it: its own process, uvicorn, a port on 127.0.0.1."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from rag_speculate.serve.background import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "rag_speculate.cli", "serve", "--index", str(index), "--port", str(port),
+               "--dtype", "float32", "--device", "cpu", *COMMON]
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Who owns Reading Football Club?"}],
+                "max_tokens": 16, "temperature": 0, "retrieve": 1}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
+        assert answer["choices"][0]["message"]["content"]
+        assert answer["sources"][0]["text"].startswith("Reading Football Club")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()

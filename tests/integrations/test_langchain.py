@@ -32,7 +32,8 @@ from langchain_core.tools import tool
 from langchain_core.tracers.context import collect_runs
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_rag_speculate import ChatSpeculativeHF, SpeculativeHFLLM, create_rag_chain
-from langchain_rag_speculate._tools import HeldText, ReadCalls
+from langchain_rag_speculate._tools import ReadCalls
+from rag_speculate.decoding.tool_calls import HeldText
 from pydantic import BaseModel, Field, ValidationError
 from typing_extensions import TypedDict
 
