@@ -3,6 +3,7 @@ both run, answers match the in-process engine's, and errors keep OpenAI's shape.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,6 +15,10 @@ from rag_speculate.serve.background import free_port
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
+
+# Requests Ray's router holds beyond what the replicas hold (REPLICA_ONGOING each). Its count is
+# the router's view, which can run ahead of the replicas': room for the concurrent clients below.
+QUEUED = 8
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +32,7 @@ def ray_url():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=8)
+        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=QUEUED)
         serve.run(application(config, replicas=2, cpus_per_replica=1), name="rag-speculate", route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -68,3 +73,43 @@ def test_models_and_errors_through_the_proxy(ray_url):
     assert [m.id for m in client.models.list()] == [MODEL]
     response = httpx.post(f"{ray_url}/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_overload_answers_503_and_disconnects_free_the_replicas(ray_url):
+    """Fill both replicas and Ray's queue with long streams: the next request gets a 503. Then every
+    client disconnects, and a short request is answered long before any of those generations could
+    have run to its end: Ray's cancellation reached each engine's step loop."""
+    import threading
+
+    from rag_speculate.serve.ray_serve import REPLICA_ONGOING
+    from rag_speculate.serving import shared_engine
+
+    long_body = {"model": MODEL, "prompt": "Numbers: 1, 2, 3, 4, 5, 6, 7,", "max_tokens": 4000, "temperature": 0, "stream": True}
+    held = 2 * REPLICA_ONGOING + QUEUED
+    started, leave = threading.Semaphore(0), threading.Event()
+
+    def hold() -> None:
+        with httpx.stream("POST", f"{ray_url}/completions", json=long_body, timeout=120):
+            started.release()
+            leave.wait(120)
+
+    clients = [threading.Thread(target=hold) for _ in range(held)]
+    for client in clients:
+        client.start()
+    for _ in range(2):  # each replica is generating; the rest wait in the replicas and in Ray's queue
+        assert started.acquire(timeout=60)
+    deadline, refused = time.monotonic() + 60, None
+    while refused is None or refused.status_code != 503:
+        assert time.monotonic() < deadline, f"no 503 while {held} requests were held"
+        try:  # until the queue is full, a request waits in it: give up on it (which cancels it) and retry
+            refused = httpx.post(f"{ray_url}/completions", json={**long_body, "stream": False, "max_tokens": 2}, timeout=2)
+        except httpx.ReadTimeout:
+            pass
+    leave.set()
+    for client in clients:
+        client.join(timeout=120)
+
+    engine = shared_engine(MODEL, dtype="float32", device="cpu", draft_budget=None)
+    short = openai.OpenAI(base_url=ray_url, api_key="unused", max_retries=0, timeout=30)
+    answer = short.completions.create(model=MODEL, prompt="The Eiffel Tower is in", max_tokens=6, temperature=0)
+    assert answer.choices[0].text == engine.generate("The Eiffel Tower is in", max_new_tokens=6).text
