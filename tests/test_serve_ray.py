@@ -19,6 +19,8 @@ pytest.importorskip("ray.serve")
 # Requests Ray's router holds beyond what the replicas hold (REPLICA_ONGOING each). Its count is
 # the router's view, which can run ahead of the replicas': room for the concurrent clients below.
 QUEUED = 8
+# Where this node's Ray exports the replicas' metrics.
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,8 @@ def ray_url():
     from rag_speculate.serve import ServerConfig
     from rag_speculate.serve.ray_serve import application
 
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -66,6 +69,19 @@ def test_two_replicas_answer_as_the_engine_does(ray_url):
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(ask, range(8)))
     assert answers == [expected[i % 4] for i in range(8)]
+
+
+def test_metrics_carry_each_replicas_tag(ray_url):
+    """Both replicas answered the requests above, and each reported them through ray.serve.metrics."""
+    import re
+
+    deadline, replicas = time.monotonic() + 60, set()
+    while len(replicas) < 2:
+        assert time.monotonic() < deadline, f"replicas seen in Ray's metrics: {replicas}"
+        time.sleep(1)
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text
+        replicas = {m.group(1) for line in text.splitlines() if line.startswith("ray_rag_speculate_generated_tokens_total")
+                    for m in [re.search(r'replica="([^"]+)"', line)] if m}
 
 
 def test_models_and_errors_through_the_proxy(ray_url):
