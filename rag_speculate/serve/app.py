@@ -62,7 +62,7 @@ def create_app(server: Server, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastA
     @app.get("/v1/models")
     async def models() -> dict:
         model = Model(id=server.name, created=0, object="model", owned_by="rag-speculate")
-        return {"object": "list", "data": [model.model_dump()]}
+        return {"object": "list", "data": [_plain(model)]}
 
     if server.metrics.backend == "prometheus":
 
@@ -121,39 +121,38 @@ class _Reply:
         return self._extended(response, result)
 
     async def chat_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
-        yield self._chat_chunk(ChoiceDelta(role="assistant", content=""))
+        yield _plain(self._chat_chunk(ChoiceDelta(role="assistant", content="")))
         held = HeldText() if self.job.tools else None
         async for item in deltas:
             if isinstance(item, str):
                 text = held.feed(item) if held else item
                 if text:
-                    yield self._chat_chunk(ChoiceDelta(content=text))
+                    yield _plain(self._chat_chunk(ChoiceDelta(content=text)))
                 continue
             calls = self.server.tool_calls(self.job, item.text)
             if held is not None:
                 rest = held.finish(item.text if calls is None else calls.content or "")
                 if rest:
-                    yield self._chat_chunk(ChoiceDelta(content=rest))
+                    yield _plain(self._chat_chunk(ChoiceDelta(content=rest)))
             if calls is not None:
                 tool_deltas = [{"index": i, **call} for i, call in enumerate(calls.calls)]
-                yield self._chat_chunk(ChoiceDelta(tool_calls=tool_deltas))
-            yield self._extended(self._chat_chunk(ChoiceDelta(), finish_reason(item, calls), dump=False), item)
+                yield _plain(self._chat_chunk(ChoiceDelta(tool_calls=tool_deltas)))
+            yield self._extended(self._chat_chunk(ChoiceDelta(), finish_reason(item, calls)), item)
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._usage_chunk(ChatCompletionChunk, "chat.completion.chunk", item)
 
     async def completion_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
         async for item in deltas:
             if isinstance(item, str):
-                yield self._completion_chunk(item, None).model_dump(mode="json", exclude_unset=True)
+                yield _plain(self._completion_chunk(item, None))
                 continue
             yield self._extended(self._completion_chunk("", finish_reason(item, None)), item)
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._usage_chunk(Completion, "text_completion", item)
 
-    def _chat_chunk(self, delta: ChoiceDelta, finish: str | None = None, dump: bool = True) -> Any:
-        chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
-                                    choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None)])
-        return chunk.model_dump(mode="json", exclude_unset=True) if dump else chunk
+    def _chat_chunk(self, delta: ChoiceDelta, finish: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
+                                   choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None)])
 
     def _completion_chunk(self, text: str, finish: str | None) -> Completion:
         # OpenAI streams finish_reason null until the last chunk, which the type does not admit.
@@ -162,16 +161,20 @@ class _Reply:
 
     def _usage_chunk(self, kind: type, obj: str, result: GenerationResult) -> dict:
         """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
-        chunk = kind(id=self.id, object=obj, created=self.created, model=self.model, choices=[],
-                     usage=CompletionUsage(**token_usage(result.stats)))
-        return chunk.model_dump(mode="json", exclude_unset=True)
+        return _plain(kind(id=self.id, object=obj, created=self.created, model=self.model, choices=[],
+                           usage=CompletionUsage(**token_usage(result.stats))))
 
     def _extended(self, response: Any, result: GenerationResult) -> dict:
-        out = response.model_dump(mode="json", exclude_unset=True)
+        out = _plain(response)
         out["acceleration"] = result.stats.as_dict()
         if self.job.sources:
             out["sources"] = [_source(c) for c in self.job.sources]
         return out
+
+
+def _plain(response: Any) -> dict:
+    """An OpenAI type as JSON-ready data: the fields set, no others (OpenAI's bodies leave unused ones out)."""
+    return response.model_dump(mode="json", exclude_unset=True)
 
 
 def _source(chunk: Chunk) -> dict:
