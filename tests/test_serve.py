@@ -138,6 +138,15 @@ def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):
     text = 'Let me look.\n<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel height"}}\n</tool_call>'
     result = GenerationResult(text, [1, 2], "eos", GenerationStats(prompt_tokens=5, new_tokens=2, target_forwards=2))
 
+    # A call sent back in the history reaches the template with its arguments as an object.
+    history = ChatCompletionRequest(model=MODEL, messages=[
+        {"role": "user", "content": "height?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "Eiffel height"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "330 m"}])
+    assert history.messages[1].template_message()["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": {"query": "Eiffel height"}}}]
+
     whole = _Reply(server, body, job).whole(result)
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
@@ -180,6 +189,9 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user"}]}, "messages.0"),
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "found"}]}, "messages"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     # This model's chat template renders no tools.
     ({"tools": [{"type": "function", "function": {"name": "search"}}]}, "tools"),

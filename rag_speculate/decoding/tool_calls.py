@@ -151,6 +151,20 @@ def check_tools(tools: Any) -> list[dict]:
     return list(tools)
 
 
+def template_tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
+    """A call an assistant turn made, in the shape chat templates render: {"id", "type": "function",
+    "function": {"name", "arguments": {...}}}. OpenAI's API carries the arguments as a JSON string,
+    which a template would print quoted: they are read back into an object here."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"{where} ({name!r}) has arguments that are not valid JSON: {exc.msg}") from None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise InvalidArgumentError(f"{where} needs a string name and an object of arguments, got {name!r} and {arguments!r}")
+    return {"id": call_id or where, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def tool_documents(tools: Sequence[dict] | None, messages: Sequence[dict]) -> list[str]:
     """What a call's arguments and an answer over tool results copy from: the tools' schemas and the
     tool results in the history, as documents for the drafters."""

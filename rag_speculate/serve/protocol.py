@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..decoding.tool_calls import template_tool_call
+
 # Chat messages whose "developer" role (OpenAI's newer name for system) chat templates do not know.
 ROLE_ALIASES = {"developer": "system"}
 
@@ -45,12 +47,19 @@ class Message(BaseModel):
         return self
 
     def template_message(self) -> dict[str, Any]:
-        """The message as chat templates read it: plain text content, tool calls kept."""
+        """The message as chat templates read it: plain text content, and the tool calls with their
+        arguments as objects (`InvalidArgumentError` if they are not JSON)."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         out: dict[str, Any] = {"role": ROLE_ALIASES.get(self.role, self.role), "content": text}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls:
+            functions = [call.get("function") if isinstance(call.get("function"), dict) else {} for call in self.tool_calls]
+            out["tool_calls"] = [
+                template_tool_call(call.get("id"), f.get("name"), f.get("arguments", {}), f"tool_calls[{j}]")
+                for j, (call, f) in enumerate(zip(self.tool_calls, functions))
+            ]
         return out
 
 

@@ -74,7 +74,7 @@ class Server:
 
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         self._check_model(body.model)
-        messages = [m.template_message() for m in body.messages]
+        messages = _as_param("messages", lambda: [m.template_message() for m in body.messages])
         tools = None if body.tool_choice == "none" else body.tools
         if tools is not None:
             _as_param("tools", check_tools, tools)

@@ -8,7 +8,6 @@ decoding, so the answer is exactly the model's, and `parse_tool_calls` reads the
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.tools.types import BaseTool
 
 from rag_speculate import InvalidArgumentError
-from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, parse_tool_calls
+from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, parse_tool_calls, template_tool_call
 
 # What `tool_required=True` or a `tool_choice` asks for, as an instruction in the prompt: without constrained
 # decoding a model can only be asked (the answer stays the model's own greedy or sampled one).
@@ -130,14 +129,7 @@ def tool_call_dict(call: Any, where: str) -> dict:
         if not isinstance(function, dict):
             raise ValueError(f"{where} must be a tool call with a name and arguments, got {call!r}")
         call_id, name, arguments = call.get("id"), function.get("name"), function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} ({name!r}) has arguments that are not valid JSON: {exc.msg}") from None
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        raise ValueError(f"{where} needs a string name and an object of arguments, got {call!r}")
-    return {"id": call_id or where, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return template_tool_call(call_id, name, arguments, where)
 
 
 def message_tool_calls(message: ChatMessage) -> list[dict]:
