@@ -100,6 +100,8 @@ def test_seeded_sampling_repeats(client):
     kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0.8, top_p=0.9, seed=7)
     first = client.chat.completions.create(**kwargs).choices[0].message.content
     assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+    # vLLM's top_k, where -1 (as 0) turns it off.
+    assert client.chat.completions.create(**kwargs, extra_body={"top_k": -1}).choices[0].message.content == first
 
 
 def test_prompt_cache_shows_in_usage(client):

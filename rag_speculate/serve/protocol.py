@@ -80,8 +80,8 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM's extension, which clients of OpenAI-compatible servers already send.
-    top_k: int = Field(default=0, ge=0)
+    # vLLM's extension, which clients of OpenAI-compatible servers already send (-1 or 0: off).
+    top_k: int = Field(default=0, ge=-1)
     # The extension: texts to draft from (a chat request may also `retrieve`).
     documents: list[str] | None = None
     # Informational in OpenAI's API; nothing here depends on them.

@@ -122,7 +122,7 @@ class Server:
                 raise RequestError("messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                                    f"the prompt is {len(prompt_ids)} tokens; the model's limit is {limit}")
         options = dict(documents=documents, max_new_tokens=max_tokens, temperature=body.temperature,
-                       top_p=body.top_p, top_k=body.top_k, stop=body.stop, seed=body.seed)
+                       top_p=body.top_p, top_k=max(body.top_k, 0), stop=body.stop, seed=body.seed)
         return _as_param(None, self.engine.prepare, prompt_ids, **options)
 
     # --- generations out -----------------------------------------------------------------
