@@ -104,6 +104,22 @@ def test_seeded_sampling_repeats(client):
     assert client.chat.completions.create(**kwargs, extra_body={"top_k": -1}).choices[0].message.content == first
 
 
+def test_json_answers_are_asked_for_in_the_prompt(client, engine):
+    """Nothing constrains decoding (the answer stays the model's own): response_format becomes a system
+    instruction, as in the LangChain adapter, and the answer is the engine's for those messages."""
+    from rag_speculate.decoding.instructions import json_instruction, with_instructions
+
+    schema = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": {
+        "type": "object", "properties": {"designer": {"type": "string"}}, "required": ["designer"]}}}
+    for response_format in ({"type": "json_object"}, schema):
+        instructed = with_instructions(QUESTION, system=json_instruction(response_format))
+        expected = engine.generate(instructed, chat=True, max_new_tokens=24)
+        response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+                                                  response_format=response_format)
+        assert response.choices[0].message.content == expected.text
+        assert response.usage.prompt_tokens == expected.stats.prompt_tokens
+
+
 def test_prompt_cache_shows_in_usage(client):
     messages = [{"role": "user", "content": f"{DOCUMENT}\n\nWhen was the tower built?"}]
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
@@ -184,7 +200,10 @@ BAD_REQUESTS = [
     ({"documents": [1, 2]}, "documents.0"),
     ({"n": 2}, "n"),
     ({"logprobs": True}, "logprobs"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"retrieve": 3}, "retrieve"),
     ({"not_an_openai_field": 1}, "not_an_openai_field"),
     ({"messages": []}, "messages"),

@@ -1,6 +1,7 @@
 """The requests the server reads: OpenAI's chat and text completion bodies, plus two extension fields.
 
-Every field of OpenAI's API is known here. Those the engine honours are read; those it cannot honour
+Every field of OpenAI's API is known here. Those the engine honours are read (`tool_choice` and
+`response_format` through the prompt: `decoding/instructions.py`); those it cannot honour
 are refused with a 400 naming them unless they hold their neutral value (`n=1`, `logprobs=false`,
 ...), so a client that sends defaults explicitly still works and one that asks for more is told so;
 informational fields (`user`, `metadata`, ...) are accepted and ignored. A field OpenAI does not
@@ -152,8 +153,7 @@ class ChatCompletionRequest(_Common):
 
     def _more_neutral(self) -> dict[str, tuple]:
         return {
-            "top_logprobs": (None, 0), "tool_choice": (None, "auto", "none"),
-            "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+            "top_logprobs": (None, 0), "modalities": (None, ["text"]),
             "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
             "web_search_options": (None,), "functions": (None,), "function_call": (None,),
         }

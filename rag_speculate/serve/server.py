@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding.engine import SpeculativeEngine
+from ..decoding.instructions import chosen_tool, json_instruction, template_tools, with_instructions
 from ..decoding.request import Request
 from ..decoding.result import GenerationResult
 from ..decoding.tool_calls import call_id_prefix, check_tools, parse_tool_calls, tool_documents
@@ -75,22 +76,23 @@ class Server:
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         self._check_model(body.model)
         messages = _as_param("messages", lambda: [m.template_message() for m in body.messages])
-        tools = None if body.tool_choice == "none" else body.tools
-        if tools is not None:
-            _as_param("tools", check_tools, tools)
+        offered = _as_param("tools", check_tools, body.tools) if body.tools is not None else []
+        tools, call_instruction = template_tools(offered, _as_param("tool_choice", chosen_tool, body.tool_choice, offered))
+        json_answer = _as_param("response_format", json_instruction, body.response_format)
         documents: list[str | list[int]] = list(body.documents or [])
         sources: list[Chunk] = []
         if body.retrieve:
             messages, sources = self._retrieve(messages, body.retrieve)
             documents += drafting_documents(sources)
-        prompt_ids = _as_param("messages", self.engine.encode_prompt, messages, chat=True, tools=tools)
+        messages = with_instructions(messages, system=json_answer, last=call_instruction)
+        prompt_ids = _as_param(None, self.engine.encode_prompt, messages, chat=True, tools=tools)
         documents += tool_documents(tools, messages)
         request = self._request(prompt_ids, documents, body.max_new_tokens, body)
         return Job(request, chat=True, messages=messages, tools=tools, sources=sources)
 
     def completion_job(self, body: CompletionRequest) -> Job:
         self._check_model(body.model)
-        prompt_ids = _as_param("prompt", self.engine.encode_prompt, body.prompt)
+        prompt_ids = _as_param(None, self.engine.encode_prompt, body.prompt)
         return Job(self._request(prompt_ids, list(body.documents or []), body.max_new_tokens, body), chat=False)
 
     def _check_model(self, model: str) -> None:
@@ -176,19 +178,21 @@ class Server:
 
 
 # The engine names its own arguments in its errors: those a request can still get wrong once its
-# fields have been checked, and the request field each comes from.
-_ENGINE_PARAMS = (("max_new_tokens", "max_tokens"), ("tools", "tools"), ("documents", "documents"), ("stop", "stop"))
+# fields have been checked, and the request field each comes from, in the order they are looked for.
+_ENGINE_PARAMS = (("max_new_tokens", "max_tokens"), ("tools", "tools"), ("documents", "documents"),
+                  ("stop", "stop"), ("message", "messages"), ("prompt", "prompt"))
 
 
 def _as_param(param: str | None, check: Any, *args: Any, **kwargs: Any) -> Any:
-    """`check(*args, **kwargs)`, its InvalidArgumentError as a RequestError naming the field at
-    fault: the one its message names, else `param`."""
+    """`check(*args, **kwargs)`, its InvalidArgumentError as a RequestError naming `param`, or, for
+    `param=None` (a call into the engine), the field the engine's message names."""
     try:
         return check(*args, **kwargs)
     except InvalidArgumentError as error:
         message = str(error)
-        named = next((field for word, field in _ENGINE_PARAMS if word in message), param)
-        raise RequestError(named, message.replace("max_new_tokens", "max_tokens")) from None
+        if param is None:
+            param = next((field for word, field in _ENGINE_PARAMS if word in message), None)
+        raise RequestError(param, message.replace("max_new_tokens", "max_tokens")) from None
 
 
 def finish_reason(result: GenerationResult, calls: ToolCallsRead | None) -> str:

@@ -494,11 +494,11 @@ def test_bind_tools_converts_every_kind_of_tool_and_checks_it_now(chat):
     for choice in (None, "auto", "none", "required", "lookup", {"type": "function", "function": {"name": "lookup"}}):
         assert chat.bind_tools([search, lookup], tool_choice=choice).kwargs["tool_choice"] == choice
 
-    with pytest.raises(ValueError, match="tool_choice names 'nope', which is not among the tools \\(search\\)"):
+    with pytest.raises(ValueError, match="tool_choice names the tool 'nope', which is not among the tools: search"):
         chat.bind_tools([search], tool_choice="nope")
-    with pytest.raises(ValueError, match="tool_choice names 'nope'"):
+    with pytest.raises(ValueError, match="tool_choice names the tool 'nope'"):
         chat.bind_tools([search], tool_choice={"type": "function", "function": {"name": "nope"}})
-    with pytest.raises(ValueError, match="tool_choice must be one of"):
+    with pytest.raises(ValueError, match="tool_choice must be 'auto', 'none', 'required'"):
         chat.bind_tools([search], tool_choice=True)
     with pytest.raises(ValueError, match="needs tools"):
         chat.bind_tools([], tool_choice="any")
@@ -508,7 +508,7 @@ def test_bind_tools_converts_every_kind_of_tool_and_checks_it_now(chat):
         chat.bind_tools([search, search])
     with pytest.raises(ValueError, match="tools must be a list"):
         chat.bind_tools(search)
-    with pytest.raises(ValueError, match="tool_choice names 'nope'"):  # per call, too
+    with pytest.raises(ValueError, match="tool_choice names the tool 'nope'"):  # per call, too
         chat.invoke("hi", tools=[search], tool_choice="nope")
 
 

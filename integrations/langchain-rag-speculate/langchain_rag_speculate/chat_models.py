@@ -32,21 +32,12 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from rag_speculate import GenerationResult, GenerationStream
+from rag_speculate.decoding.instructions import chosen_tool, json_instruction, template_tools, with_instructions
 from rag_speculate.decoding.tool_calls import HeldText
 from rag_speculate.serving import acollect, aiterate, collect, token_usage
 
 from ._common import CALL_ARGUMENTS, MODEL_CONFIG, SpeculativeHFParams
-from ._tools import (
-    TOOL_ARGUMENTS,
-    ReadCalls,
-    chosen_tool,
-    convert_tools,
-    describe,
-    json_instruction,
-    one_line,
-    template_tools,
-    with_instructions,
-)
+from ._tools import TOOL_ARGUMENTS, ReadCalls, convert_tools, describe, one_line
 
 _ROLES = {SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant", ToolMessage: "tool"}
 # Content blocks an AI message may carry beside its text that repeat its `tool_calls` (Anthropic's

@@ -30,6 +30,7 @@ from llama_index.core.types import TokenAsyncGen, TokenGen
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from rag_speculate import GenerationResult, GenerationStream, SpeculativeEngine
+from rag_speculate.decoding.instructions import chosen_tool
 from rag_speculate.models.device import device_from_map, resolve_device
 from rag_speculate.serving import DTYPES, acollect, aiterate, check_call_arguments, collect, shared_engine, token_usage
 
@@ -39,7 +40,6 @@ from .tools import (
     REQUIRED_INSTRUCTION,
     TOOL_CALL_ERROR,
     TOOL_CALLS,
-    chosen_tool,
     message_tool_calls,
     openai_tools,
     parsed_message_kwargs,

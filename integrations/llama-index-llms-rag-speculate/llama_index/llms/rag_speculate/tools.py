@@ -64,34 +64,6 @@ def openai_tools(tools: Sequence[BaseTool | dict] | None) -> list[dict] | None:
         raise InvalidArgumentError(f"tool {name!r} cannot be offered to the model: {exc}") from None
 
 
-def tool_names(tools: Sequence[dict]) -> list[str]:
-    return [tool["function"]["name"] for tool in tools]
-
-
-def chosen_tool(tool_choice: Any, tools: Sequence[dict]) -> str:
-    """The tool `tool_choice` names, or "auto"/"none"/"required" (OpenAI's and LlamaIndex's spellings);
-    a tool that is not among `tools` is refused, naming it."""
-    if tool_choice is None:
-        return "auto"
-    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
-        function = tool_choice.get("function", tool_choice)
-        name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str):
-            raise ValueError(f"tool_choice must name a tool, got {tool_choice!r}")
-    elif isinstance(tool_choice, str):
-        if tool_choice in ("auto", "none"):
-            return tool_choice
-        if tool_choice in ("required", "any"):
-            return "required"
-        name = tool_choice
-    else:
-        raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a tool's name, got {tool_choice!r}")
-    if name not in tool_names(tools):
-        offered = ", ".join(tool_names(tools)) or "none"
-        raise ValueError(f"tool_choice names the tool {name!r}, which is not among the tools: {offered}")
-    return name
-
-
 def with_instruction(messages: Sequence[ChatMessage], instruction: str) -> list[ChatMessage]:
     """`messages` with `instruction` at the end of the last message when it is the user's (the prompt
     then differs from the next turn's only from there: the prompt cache keeps the rest), else at the end
