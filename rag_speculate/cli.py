@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ray", action="store_true", help="run replicas on Ray Serve (a local Ray, or the cluster RAY_ADDRESS names)")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: engines, each a replica of its own")
     serve.add_argument("--cpus-per-replica", type=float, default=1.0, help="with --ray: the CPUs Ray reserves for each replica")
+    serve.add_argument("--gpus-per-replica", type=float, default=0.0, help="with --ray: the GPUs Ray reserves for each replica")
     _add_model_options(serve)
 
     args = parser.parse_args(argv)
@@ -195,7 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from .serve import ray_serve
 
         _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s)")
-        ray_serve.run(config, args.replicas, args.host, args.port, args.cpus_per_replica)
+        ray_serve.run(config, args.replicas, args.host, args.port, args.cpus_per_replica, args.gpus_per_replica)
         return 0
     import uvicorn
 

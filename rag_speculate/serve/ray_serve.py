@@ -44,21 +44,24 @@ class ServerReplica:
         return create_app(self.server, max_body_bytes=self.config.max_body_bytes)
 
 
-def application(config: ServerConfig, replicas: int = 1, cpus_per_replica: float = 1.0) -> serve.Application:
+def application(config: ServerConfig, replicas: int = 1, cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0) -> serve.Application:
     """The deployment for `serve.run`: `replicas` engines, and at most `config.max_queued` requests
-    queued in Ray's router beyond what they hold."""
+    queued in Ray's router beyond what they hold. With `gpus_per_replica`, Ray places each replica
+    on a GPU of its own and shows it only that one, which `device=None` then picks."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     options = {"num_replicas": replicas, "max_queued_requests": config.max_queued,
-               "ray_actor_options": {"num_cpus": cpus_per_replica}}
+               "ray_actor_options": {"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica}}
     return ServerReplica.options(**options).bind(config)
 
 
-def run(config: ServerConfig, replicas: int, host: str, port: int, cpus_per_replica: float = 1.0, blocking: bool = True) -> None:
+def run(config: ServerConfig, replicas: int, host: str, port: int, cpus_per_replica: float = 1.0,
+        gpus_per_replica: float = 0.0, blocking: bool = True) -> None:
     """Start (or join, where RAY_ADDRESS names a cluster) Ray, and serve `replicas` on host:port."""
     import ray
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(config, replicas, cpus_per_replica), name="rag-speculate", route_prefix="/", blocking=blocking)
+    serve.run(application(config, replicas, cpus_per_replica, gpus_per_replica), name="rag-speculate", route_prefix="/",
+              blocking=blocking)
