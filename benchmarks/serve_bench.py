@@ -20,7 +20,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
