@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +26,9 @@ from pathlib import Path
 import openai
 import torch
 
-from rag_speculate import NGramTrieDrafter, OuroborosDrafter, SpeculativeEngine
-from rag_speculate.models.int8 import int8_draft_model
-from rag_speculate.models.loading import load_model
+from gpu_check import device_name
+from rag_speculate import SpeculativeEngine
+from rag_speculate.retrieval.rag import rag_engine
 from rag_speculate.serve import Server
 from rag_speculate.serve.app import create_app
 from rag_speculate.serve.background import running
@@ -47,12 +46,8 @@ def rag_items(n: int) -> list[dict]:
 
 def engines(model: str, dtype: str, draft_model: str | None) -> dict[str, SpeculativeEngine]:
     base = SpeculativeEngine.from_pretrained(model, dtype=DTYPES[dtype], device="cpu")
-    drafters = [NGramTrieDrafter()]
-    if draft_model:
-        model, tokenizer = load_model(draft_model, dtype=DTYPES[dtype], device="cpu")
-        drafters.append(OuroborosDrafter(int8_draft_model(model), tokenizer))
     return {
-        "speculative": SpeculativeEngine(base.model, base.tokenizer, drafters, name=model, prompt_cache_bytes=0),
+        "speculative": rag_engine(base, None, draft_model, prompt_cache_bytes=0),
         "plain": SpeculativeEngine(base.model, base.tokenizer, draft_budget=0, name=model, prompt_cache_bytes=0),
     }
 
@@ -92,12 +87,6 @@ def run_level(url: str, model: str, items: list[dict], clients: int, max_tokens:
     }
 
 
-def cpu_name() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor() or 'CPU'} ({len(names) or '?'} cores)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -133,7 +122,7 @@ def main() -> None:
             print(f"{'':12s} clients={clients}  speculative/plain throughput {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x", flush=True)
     if args.out:
         meta = {"model": args.model, "dtype": args.dtype, "draft_model": args.draft_model, "n": args.n,
-                "max_tokens": args.max_tokens, "threads": args.threads, "cpu": cpu_name()}
+                "max_tokens": args.max_tokens, "threads": args.threads, "cpu": device_name(torch.device("cpu"))}
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
 
 

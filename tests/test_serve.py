@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import DOCUMENT, MODEL
+from serve_fixtures import DOCUMENT, MODEL
 from rag_speculate.serve.background import running as serving
 
 pytest.importorskip("fastapi")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import DOCUMENT, MODEL, wait_until
+from serve_fixtures import DOCUMENT, MODEL, wait_until
 from rag_speculate.serve.background import running as serving
 
 pytest.importorskip("fastapi")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import DOCUMENT, MODEL
+from serve_fixtures import DOCUMENT, MODEL
 from rag_speculate.serve.background import free_port
 
 ray = pytest.importorskip("ray")

@@ -33,9 +33,11 @@ def rag_engine(
     index: CorpusIndex | None,
     draft_model: str | None = None,
     progress: Callable[[str], None] | None = None,
+    prompt_cache_bytes: int | None = None,
 ) -> SpeculativeEngine:
     """`engine`'s model drafting in one tree from the retrieved chunks (trie), the whole corpus
-    (REST, with an index) and, if named, a draft model (int8 on a CPU)."""
+    (REST, with an index) and, if named, a draft model (int8 on a CPU); `prompt_cache_bytes` as
+    `SpeculativeEngine` takes it."""
     from ..decoding.engine import SpeculativeEngine
     from ..drafters import NGramTrieDrafter, OuroborosDrafter, RESTDrafter
     from ..models.int8 import int8_draft_model
@@ -50,4 +52,4 @@ def rag_engine(
         if model.device.type == "cpu":
             model = int8_draft_model(model)
         drafters.append(OuroborosDrafter(model, tokenizer))
-    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name)
+    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name, prompt_cache_bytes=prompt_cache_bytes)

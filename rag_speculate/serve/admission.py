@@ -9,7 +9,7 @@ goes away leaves the queue.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 
@@ -18,12 +18,14 @@ class QueueFull(Exception):
 
 
 class Admission:
-    def __init__(self, max_running: int = 1, max_queued: int = 16):
+    def __init__(self, max_running: int = 1, max_queued: int = 16, observe: Callable[[int, int], None] | None = None):
+        """`observe(waiting, running)` is told every change of the counts (the server's metrics)."""
         if max_running < 1 or max_queued < 0:
             raise ValueError(f"need max_running >= 1 and max_queued >= 0, got {max_running} and {max_queued}")
         self.max_running, self.max_queued = max_running, max_queued
         self.running = 0
         self.waiting = 0
+        self._observe = observe or (lambda waiting, running: None)
         # Created on first use: the lock must belong to the event loop that serves the requests.
         self._slots: asyncio.Semaphore | None = None
 
@@ -38,14 +40,19 @@ class Admission:
         self.check()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_running)
-        self.waiting += 1
+        self._change(waiting=1)
         try:
             await self._slots.acquire()
         finally:
-            self.waiting -= 1
-        self.running += 1
+            self._change(waiting=-1)
+        self._change(running=1)
         try:
             yield
         finally:
-            self.running -= 1
+            self._change(running=-1)
             self._slots.release()
+
+    def _change(self, waiting: int = 0, running: int = 0) -> None:
+        self.waiting += waiting
+        self.running += running
+        self._observe(self.waiting, self.running)

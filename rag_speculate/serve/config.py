@@ -39,11 +39,9 @@ class ServerConfig:
 def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     """The engine (drafting from the request's documents, the index's corpus and the draft model)
     and the index, loaded and verified before the server takes a request."""
-    from ..serving import DTYPES
+    from ..serving import shared_engine
 
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
-    base = SpeculativeEngine.from_pretrained(config.model, dtype=DTYPES[config.dtype], device=config.device)
+    base = shared_engine(config.model, dtype=config.dtype, device=config.device, draft_budget=None)
     index = None
     if config.index is not None:
         index = CorpusIndex.load(config.index, tokenizer=base.tokenizer, embedder=config.embedding_model)

@@ -68,8 +68,8 @@ class Server:
         max_queued: int = 16, metrics: Metrics | None = None,
     ):
         self.engine, self.name, self.index = engine, name, index
-        self.admission = Admission(max_running=1, max_queued=max_queued)
         self.metrics = metrics or Metrics()
+        self.admission = Admission(max_running=1, max_queued=max_queued, observe=self.metrics.queue)
 
     # --- requests in ---------------------------------------------------------------------
 
@@ -147,14 +147,9 @@ class Server:
 
     @asynccontextmanager
     async def _slot(self, job: Job) -> AsyncIterator[None]:
-        self.metrics.queue(self.admission.waiting + 1, self.admission.running)
-        try:
-            async with self.admission.slot():
-                job.started = time.perf_counter()
-                self.metrics.queue(self.admission.waiting, self.admission.running)
-                yield
-        finally:
-            self.metrics.queue(self.admission.waiting, self.admission.running)
+        async with self.admission.slot():
+            job.started = time.perf_counter()
+            yield
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
         now = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from live_server import DOCUMENT
+from serve_fixtures import DOCUMENT
 from rag_speculate.serve.background import running as serving
 
 from .conftest import MODEL
