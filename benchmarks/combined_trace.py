@@ -27,8 +27,9 @@ import torch
 from spec_bench import DEFAULT_DATA, load_items, open_datastore
 
 from rag_speculate import CombinedDrafter, NGramTrieDrafter, OuroborosDrafter, RESTDrafter, SpeculativeEngine
+from rag_speculate.drafters.base import Target
 from rag_speculate.drafters.ouroboros.drafter import DRAFT_SOURCE
-from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.drafters.ouroboros.int8 import int8_draft_model
 from rag_speculate.models.loading import load_model
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     for item in items:
         judged.category = item.category
         for name, drafter in (("ouroboros", ouroboros), ("combined", combined)):
-            drafter.attach(engine.tokenizer, engine.vocab_size, engine.model.device)
+            drafter.attach(Target(engine.tokenizer, engine.vocab_size, engine.model.device))
             engine.drafter = drafter
             steps.clear()
             s = engine.generate(item.prompt_ids, documents=item.documents, max_new_tokens=args.max_new_tokens).stats

@@ -5,7 +5,7 @@ file): the draft model reads each prompt plus the target's output in one forward
 position its argmax is compared with the target's next token. Speed does not enter; this isolates
 what a draft model's arithmetic costs in agreement. Variants: the draft in fp32, in int8 with
 torch.ao's defaults (one scale per tensor, 7-bit activations), and in int8 as
-`int8_draft_model` (rag_speculate/models/int8.py) makes it (one scale per output channel, 8-bit activations
+`int8_draft_model` (rag_speculate/drafters/ouroboros/int8.py) makes it (one scale per output channel, 8-bit activations
 where VNNI allows).
 
     python3 benchmarks/draft_agreement.py --results benchmarks/results/zen5_fp32_n8.json
@@ -27,10 +27,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_speculate import SpeculativeEngine
-from rag_speculate.drafters.ouroboros.draft_model import head_ids
-from rag_speculate.models.int8 import cpu_has_vnni, int8_draft_model
-from rag_speculate.models.loading import load_model
 from rag_speculate.decoding.kv_cache import cache_keyword
+from rag_speculate.drafters.ouroboros.draft_model import head_ids
+from rag_speculate.drafters.ouroboros.int8 import cpu_has_vnni, int8_draft_model
+from rag_speculate.models.loading import load_model
 
 
 def torch_ao_int8(model: torch.nn.Module) -> torch.nn.Module:

@@ -27,15 +27,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from rag_speculate.cpu import kernels as fast_kernels, linear as cpu_linear
-from rag_speculate.drafters.ouroboros.draft_model import head_ids
+from rag_speculate.cpu import kernels as fast_kernels
+from rag_speculate.cpu import linear as cpu_linear
 from rag_speculate.cpu.kernels import FastKernels
-from rag_speculate.models.lean_forward import lean_forward, LeanForward
-from rag_speculate.models.int8 import int8_draft_model
-from rag_speculate.models.packaged import is_packaged_model, load_packaged_model
-from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.kv_cache import cache_keyword
+from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.drafters.ouroboros.draft_model import head_ids
+from rag_speculate.drafters.ouroboros.int8 import int8_draft_model
+from rag_speculate.drafters.ouroboros.lean_forward import LeanForward, lean_forward
+from rag_speculate.models.packaged import is_packaged_model, load_packaged_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -52,9 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
-    parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (int8_draft_model, rag_speculate/models/int8.py)")
+    parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (int8_draft_model, rag_speculate/drafters/ouroboros/int8.py)")
     parser.add_argument("--fast", action="store_true", help="forwards through the engine's CPU kernels (FastKernels: rag_speculate/cpu/linear.py and, in bf16, cpu/attention.py)")
-    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (rag_speculate/models/lean_forward.py)")
+    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (rag_speculate/drafters/ouroboros/lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
                         help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (TreeForward, rag_speculate/decoding/forward.py)")
     parser.add_argument("--head-vocabulary", type=int, default=None, metavar="N",

@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import models as tokenizer_models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from rag_speculate import Datastore, DatastoreError, GenerationStats, NGramTrieDrafter, RESTDrafter, SpeculativeEngine
@@ -54,15 +55,15 @@ from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.kv_cache import keep_cache_entries, make_cache
 from rag_speculate.decoding.tree import DraftTree
 
-# The dev items beside the checkout, or inside it (where a copy of the working tree carries shared/ along).
-_DATA_PLACES = [root / "shared" / "data" / "spec_bench_dev.jsonl" for root in (REPO.parent, REPO)]
-DEFAULT_DATA = next((path for path in _DATA_PLACES if path.is_file()), _DATA_PLACES[0])
+# The dev items shipped with the benchmarks (benchmarks/data/README.md).
+DEFAULT_DATA = REPO / "benchmarks" / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ("rag", "summarization", "qa")
 SMOLLM = "smollm2-135m-instruct"
 
-TEST_FILES = ["tests/test_lossless.py", "tests/test_sampling.py", "tests/test_stop_and_stream.py", "tests/test_ouroboros.py",
-              "tests/test_combined.py", "tests/test_portable.py", "tests/test_tree.py"]
-QUICK_TESTS = ["tests/test_tree.py", "tests/test_portable.py", "-k", "trie or test_tree.py"]
+TEST_FILES = ["tests/engine/test_lossless.py", "tests/decoding/test_sampling.py", "tests/decoding/test_stop_and_stream.py",
+              "tests/drafters/test_ouroboros.py", "tests/drafters/test_combined.py", "tests/engine/test_portable.py",
+              "tests/decoding/test_tree.py"]
+QUICK_TESTS = ["tests/decoding/test_tree.py", "tests/engine/test_portable.py", "-k", "trie or test_tree.py"]
 TESTS_TIMEOUT_S = 1800
 
 # Architectures as their config.json have them. Rope settings are left at the defaults: they do not

@@ -39,13 +39,14 @@ from rag_speculate import (
     SpeculativeEngine,
     Verification,
 )
-from rag_speculate.decoding.baseline import timed_generate
-from rag_speculate.decoding.budget import best_prefix, CostModel
-from rag_speculate.cpu.linear import fast_linear_works
 from rag_speculate.cpu.kernels import FastKernels
-from rag_speculate.models.lean_forward import lean_forward
+from rag_speculate.cpu.linear import fast_linear_works
+from rag_speculate.decoding.baseline import timed_generate
+from rag_speculate.decoding.budget import CostModel, best_prefix
+from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.tree import ROOT
-from rag_speculate.decoding.forward import TreeForward, kernel_context
+from rag_speculate.drafters.ouroboros.lean_forward import lean_forward
+from rag_speculate.engine.engine import kernel_context
 
 Method = Callable[[list[int], list | None, int], dict]
 BASELINES = ("hf-greedy", "hf-greedy:fast", "hf-pld", "hf-assisted", "hf-assisted:fast")  # what the summary divides by

@@ -3,7 +3,7 @@ and our engine without the cache, one process, methods interleaved per item.
 
 Two kinds of conversation, each a first turn answered by ours with the cache (it fills the cache),
 then a second turn timed for every method:
-- MT-bench (`../shared/data/mt_bench_dev.jsonl`): turn 2 sent with turn 1 and its answer in the history;
+- MT-bench (`benchmarks/data/mt_bench_dev.jsonl`): turn 2 sent with turn 1 and its answer in the history;
 - Natural Questions: two questions whose gold passage comes from the same article; the first is
   answered over the passages the shipped index retrieves for it, the second asked as a follow-up
   over the same passages.
@@ -22,13 +22,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 from rag_speculate.decoding.baseline import timed_generate
-from rag_speculate.models.packaged import cache_dir
-from rag_speculate.retrieval.corpus import CorpusIndex, drafting_documents, rag_messages
+from rag_speculate.entrypoints.prompt import drafting_documents, rag_messages
+from rag_speculate.files import cache_dir
+from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_dev.jsonl"
+MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_dev.jsonl"
 METHODS = ("generate", "ours, no cache", "ours, cache")
 
 

@@ -22,9 +22,10 @@ from harness import Item, build_methods, measure, replay
 from spec_bench import write
 
 from rag_speculate import Datastore, RESTDrafter, SpeculativeEngine
-from rag_speculate.cli import DEFAULT_MODEL
-from rag_speculate.retrieval.corpus import CorpusIndex, drafting_documents, rag_messages
-from rag_speculate.models.packaged import cache_dir
+from rag_speculate.entrypoints.cli import DEFAULT_MODEL
+from rag_speculate.entrypoints.prompt import prepare
+from rag_speculate.files import cache_dir
+from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 
 METHODS = ["hf-greedy", "hf-pld", "trie", "rest", "trie+rest"]
@@ -37,8 +38,8 @@ def load_items(engine: SpeculativeEngine, index: CorpusIndex, n: int, k: int) ->
     for number in range(0, len(questions), len(questions) // n)[:n]:
         question = questions[number]
         chunks = index.search(question.question, k)
-        ids = engine.encode_prompt(rag_messages(question.question, chunks), chat=True)
-        items.append(Item(f"nq-{number}", "nq-rag", ids, drafting_documents(chunks), question.answers))
+        request = prepare(engine, question.question, chunks=chunks, max_new_tokens=1).request
+        items.append(Item(f"nq-{number}", "nq-rag", request.prompt_ids, request.document_ids, question.answers))
     return items
 
 

@@ -25,16 +25,15 @@ from pathlib import Path
 
 import openai
 import torch
-
 from gpu_check import device_name
-from rag_speculate import SpeculativeEngine
-from rag_speculate.retrieval.rag import rag_engine
-from rag_speculate.serve import Server
-from rag_speculate.serve.app import create_app
-from rag_speculate.serve.background import running
-from rag_speculate.serving import DTYPES
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
+from rag_speculate import SpeculativeEngine
+from rag_speculate.entrypoints.engines import DTYPES, rag_engine
+from rag_speculate.entrypoints.openai import Server
+from rag_speculate.entrypoints.openai.app import create_app
+from rag_speculate.entrypoints.openai.background import running
+
+DATA = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"
 SETTINGS = ("speculative", "plain")
 
 

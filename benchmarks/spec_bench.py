@@ -35,10 +35,10 @@ from harness import (
 )
 
 from rag_speculate import Datastore, SpeculativeEngine
-from rag_speculate.models.int8 import int8_draft_model
+from rag_speculate.drafters.ouroboros.int8 import int8_draft_model
 from rag_speculate.models.loading import load_model
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ["summarization", "rag", "qa", "math_reasoning", "translation"]
 METHODS = ["hf-greedy", "hf-pld", "trie"]
 
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft-model", default=None, help="for hf-assisted, ouroboros and combined")
     parser.add_argument("--draft-int8", action="store_true",
-                        help="the draft model computes in int8 (int8_draft_model in rag_speculate/models/int8.py), for every method that uses it")
+                        help="the draft model computes in int8 (int8_draft_model in rag_speculate/drafters/ouroboros/int8.py), for every method that uses it")
     parser.add_argument("--datastore", type=Path, default=None, help="for rest, trie+rest and combined")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)

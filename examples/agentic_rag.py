@@ -29,9 +29,10 @@ from rag_speculate import SpeculativeEngine
 from rag_speculate.cpu.kernels import FastKernels
 from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.drafters import NGramTrieDrafter, RESTDrafter
-from rag_speculate.models.packaged import cache_dir
+from rag_speculate.files import cache_dir
 from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
+
 
 class RecordingEngine(SpeculativeEngine):
     """The engine, keeping each generation's prompt ids and result: what plain decoding is compared with."""
@@ -52,7 +53,7 @@ def log(message: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", default="qwen2.5-coder-1.5b-instruct", help="a packaged model whose chat template takes tools"
     )

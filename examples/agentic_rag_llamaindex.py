@@ -32,7 +32,7 @@ from pydantic import Field
 
 from rag_speculate import SpeculativeEngine
 from rag_speculate.drafters import NGramTrieDrafter, RESTDrafter
-from rag_speculate.models.packaged import cache_dir
+from rag_speculate.files import cache_dir
 from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 
@@ -63,7 +63,7 @@ class TurnStats(BaseEventHandler):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"a model whose chat template renders tools (default {DEFAULT_MODEL})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     parser.add_argument("--question", action="append", help="ask this (repeatable); default: the corpus's first questions")

@@ -1,6 +1,8 @@
 """rag-speculate: lossless speculative decoding for RAG, drafting from what the pipeline retrieved."""
 
-from .retrieval.datastore import Datastore, DatastoreError
+from .decoding.result import GenerationResult, GenerationStats, GenerationStream
+from .decoding.tree import DraftTree
+from .decoding.verify import Verification
 from .drafters import (
     CombinedConfig,
     CombinedDrafter,
@@ -13,11 +15,9 @@ from .drafters import (
     PhrasePoolError,
     RESTDrafter,
 )
-from .decoding.engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
+from .drafters.rest import Datastore, DatastoreError
+from .engine import DEFAULT_DRAFT_BUDGET, SpeculativeEngine
 from .errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
-from .decoding.result import GenerationResult, GenerationStats, GenerationStream
-from .decoding.tree import DraftTree
-from .decoding.verify import Verification
 
 __all__ = [
     "DEFAULT_DRAFT_BUDGET",

@@ -1,4 +1,5 @@
-"""Durable file helpers shared by everything that saves to disk (datastores, indexes, pools, the model cache).
+"""Durable file helpers shared by everything that saves to disk (datastores, indexes, pools, the model
+cache, the kernels), and where the cache lives (`cache_dir`).
 
 Everything is written under a temporary name beside its destination and renamed into place, so a
 crash never leaves a half-written file or folder where a good one was. A folder is replaced in two
@@ -31,6 +32,17 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # How long a load waits for a live process that has moved the old folder aside to put the new one in
 # place; two renames take far less, so only a stopped process makes a load wait this long.
 _RENAME_GRACE_S = 2.0
+
+
+def cache_dir() -> Path:
+    """Root of the on-disk cache: ``$RAG_SPECULATE_CACHE``, else ``$XDG_CACHE_HOME/rag-speculate``,
+    else ``~/.cache/rag-speculate``."""
+    explicit = os.environ.get("RAG_SPECULATE_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "rag-speculate"
 
 
 def sha256_file(path: Path) -> str:

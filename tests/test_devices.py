@@ -7,9 +7,8 @@ import torch
 from conftest import DEVICE, tiny_model
 
 from rag_speculate import InvalidArgumentError, OuroborosDrafter, SpeculativeEngine
+from rag_speculate.devices import default_dtype, device_from_map, resolve_device
 from rag_speculate.drafters.ouroboros import OuroborosConfig
-from rag_speculate.models.device import device_from_map, resolve_device
-from rag_speculate.models.loading import default_dtype
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
 

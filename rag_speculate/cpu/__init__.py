@@ -1,24 +1,18 @@
-"""CPU kernels for decoding and verification forwards: an optimisation layer the core never imports.
+"""CPU kernels for the forwards of models on the CPU: an optional layer below the engine.
 
-The engine and the draft model ask `forward_context` (through `decoding.forward.kernel_context`) for
-the context their forwards run in; only there, and only for a model on the CPU, are the kernel
-modules imported.
+Nothing under `decoding/`, `drafters/` or `retrieval/` imports it. The engine asks `forward_context`
+for the context a model's forwards run in (its own model's, and a draft model's, which it hands to
+the drafter), and only there, for a model on the CPU, are the kernel modules imported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import torch
 
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (none elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+from ..errors import InvalidArgumentError
 
 
 def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callable[[], AbstractContextManager] | None:
@@ -35,7 +29,5 @@ def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callab
 
             return FastKernels
     if required:
-        from ..errors import InvalidArgumentError
-
         raise InvalidArgumentError(f"fast_kernels=True, but {reason}")
     return None

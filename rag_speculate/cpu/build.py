@@ -16,7 +16,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from ..files import atomic_write_bytes, sha256_file, sibling
+from ..files import atomic_write_bytes, cache_dir, sha256_file, sibling
 
 # -ffp-contract=off: the kernels' sums keep the order written, whatever the compiler fuses.
 BASE_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -24,8 +24,6 @@ BASE_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared
 
 def kernels_dir() -> Path:
     """The kernels' cache folder, created private to the user; its permissions are tightened if we own it."""
-    from ..models.packaged import cache_dir  # models imports transformers' loaders; only needed here
-
     folder = cache_dir() / "kernels"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.lstat()

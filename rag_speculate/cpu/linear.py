@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cpu_flags
+from ..devices import cpu_flags
 from .build import BASE_FLAGS, compile_kernel
 
 _SMALL_MAX_ROWS = 48  # up to about here the compiled kernel beats oneDNN

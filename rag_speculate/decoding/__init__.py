@@ -1,1 +1,2 @@
-"""Decoding: the engine's loop, the draft tree, its verification in one forward, and what they return."""
+"""The parts of speculative decoding the engine and the drafters share: the draft tree, requests and
+results, sampling, verification, the draft budget, a model's forwards on its KV cache, the prompt cache."""

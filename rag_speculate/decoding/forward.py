@@ -43,16 +43,6 @@ def _shared_kv_heads(device: torch.device):
         os.environ.pop(_FORCE_GQA, None)
 
 
-def kernel_context(model: PreTrainedModel, wanted: bool | None = None) -> Callable[[], AbstractContextManager] | None:
-    """The CPU kernels' mode for `model`'s forwards, or None for torch's own kernels (`wanted`: True
-    requires them, False refuses them, None takes them where they work)."""
-    if wanted is False:
-        return None
-    # Imported here: the core runs without the kernel layer, which serves CPU models only.
-    from ..cpu import forward_context
-
-    return forward_context(model, required=bool(wanted))
-
 
 class TreeForward:
     """Prefill and draft-tree forwards of one model on its KV cache, returning logits."""
@@ -64,8 +54,8 @@ class TreeForward:
         context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         forward: Callable[..., torch.Tensor] | None = None,
     ):
-        """`context`: what every forward runs inside (the CPU kernels' mode, where the caller uses
-        them). `forward` runs in place of the model's own (given the same arguments, the KV cache as
+        """`context`: what every forward runs inside (the CPU kernels' mode, where the engine uses
+        them: it hands the context in, so nothing here loads the kernel layer). `forward` runs in place of the model's own (given the same arguments, the KV cache as
         `cache`, it returns the logits): a draft model's lean forward. The target always runs its own."""
         self.model = model
         self.context = context

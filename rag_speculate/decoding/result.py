@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import asyncio
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -51,6 +53,15 @@ class GenerationStats:
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
         return out
 
+    def usage(self) -> dict:
+        """OpenAI-style usage: the prompt's tokens read from the prompt cache are its `cached_tokens`."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.new_tokens,
+            "total_tokens": self.prompt_tokens + self.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_prompt_tokens},
+        }
+
 
 @dataclass
 class GenerationResult:
@@ -60,66 +71,133 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class GenerationStream(Iterator[str]):
-    """Text deltas as tokens are accepted; `result` once the iteration has finished.
+_DELTA, _DONE, _ERROR = object(), object(), object()
 
-    The generation runs on a worker thread of its own and hands its deltas over through a queue (at
-    most `max_new_tokens` of them), so it never waits on the reader: a stream read slowly, from
-    another thread, or not at all, still finishes and frees the engine for the next caller. `close()`,
-    or dropping the stream, stops the generation at its next step.
+
+class Channel:
+    """Where a generation hands its deltas, its result or its error to the stream reading them.
+
+    The engine's thread writes, any thread or event loop reads: the writer never waits on the reader,
+    so a stream read slowly or not at all still lets the engine go on. A reader in an event loop
+    waits on a future the writer resolves, so no thread blocks for it.
     """
 
-    def __init__(self, run: Callable[[threading.Event], Generator[str, None, GenerationResult]]):
-        """`run(cancelled)`: the generation's steps, which stop once `cancelled` is set."""
-        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
-        self._cancelled = threading.Event()
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+
+    def delta(self, text: str) -> None:
+        self._put(_DELTA, text)
+
+    def finish(self, result: GenerationResult) -> None:
+        self._put(_DONE, result)
+
+    def fail(self, error: BaseException) -> None:
+        self._put(_ERROR, error)
+
+    def _put(self, kind: object, value: Any) -> None:
+        self._items.put((kind, value))
+        with self._lock:
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, future = waiter
+            try:
+                loop.call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # the reader's loop has closed: nobody is listening any more
+                self.cancelled.set()
+
+    def get(self) -> tuple[object, Any]:
+        return self._items.get()
+
+    async def get_async(self) -> tuple[object, Any]:
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                pass
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            with self._lock:
+                self._waiter = (loop, future)
+            # An item put before the waiter was registered found none to wake: look once more.
+            if not self._items.empty():
+                with self._lock:
+                    self._waiter = None
+                continue
+            await future
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class GenerationStream(Iterator[str]):
+    """Text deltas as tokens are accepted, by `for` or `async for`; `result` once the iteration has
+    finished (`collect()` and `acollect()` run it to the end and return it).
+
+    The generation runs on the engine's thread, which never waits on the reader: a stream read slowly,
+    from another thread or event loop, or not at all, still finishes and frees the engine. `close()`,
+    dropping the stream, or leaving an `async for` early stops the generation at its next step.
+    """
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
         self._result: GenerationResult | None = None
         self._finished = False
-        # The worker holds the queue and the event, never the stream, so dropping it is seen here.
-        weakref.finalize(self, self._cancelled.set)
-        worker = threading.Thread(target=_produce, args=(run(self._cancelled), self._deltas), name="rag-speculate-stream", daemon=True)
-        worker.start()
+        # The generation holds the channel, never the stream, so dropping the stream is seen here.
+        weakref.finalize(self, channel.cancelled.set)
 
     def __next__(self) -> str:
         if self._finished:
             raise StopIteration
-        kind, value = self._deltas.get()
+        value = self._take(*self._channel.get())
+        if value is None:
+            raise StopIteration
+        return value
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        # An async generator: leaving the loop early (break, an error, a cancelled task) closes it,
+        # which stops the generation.
+        try:
+            while not self._finished:
+                value = self._take(*await self._channel.get_async())
+                if value is not None:
+                    yield value
+        finally:
+            if not self._finished:
+                self.close()
+
+    def _take(self, kind: object, value: Any) -> str | None:
+        """A delta's text, or None once the generation ended (its error raised here)."""
         if kind is _DELTA:
             return value
         self._finished = True
         if kind is _ERROR:
             raise value
         self._result = value
-        raise StopIteration
+        return None
 
     def close(self) -> None:
         """Stop generating early: the engine is free for the next caller after the current step."""
-        self._cancelled.set()
+        self._channel.cancelled.set()
+
+    def collect(self) -> GenerationResult:
+        """Run the stream to its end and return its result."""
+        for _ in self:
+            pass
+        return self.result
+
+    async def acollect(self) -> GenerationResult:
+        """`collect` without blocking the event loop; cancelling the caller stops the generation."""
+        async for _ in self:
+            pass
+        return self.result
 
     @property
     def result(self) -> GenerationResult:
         if self._result is None:
             raise RuntimeError("the stream has not finished: iterate it to the end first")
         return self._result
-
-
-_DELTA, _DONE, _ERROR = object(), object(), object()
-
-
-def _produce(steps: Generator[str, None, GenerationResult], deltas: queue.SimpleQueue) -> None:
-    try:
-        while True:
-            deltas.put((_DELTA, next(steps)))
-    except StopIteration as finished:
-        deltas.put((_DONE, finished.value))
-    except BaseException as error:  # noqa: BLE001 - handed to the reader, who raises it
-        deltas.put((_ERROR, error))
-
-
-def run_to_end(steps: Generator[str, None, GenerationResult]) -> GenerationResult:
-    """Run a generation's steps on this thread and return its result."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            return finished.value

@@ -1,4 +1,5 @@
-"""How often the target agrees with a drafter: one decaying rate, and the retrieval drafters' use of it.
+"""How often the target agrees with a drafter: one decaying rate, and the retrieval drafters' use of
+it; and one running average, for what drafting costs and yields.
 
 Every acceptance estimate the drafters learn is the same quantity, (hits + prior * weight) /
 (trials + weight) with old evidence fading, so drafting that starts failing is dropped within a
@@ -14,6 +15,12 @@ from ..decoding.verify import Verification
 # documents retrieved for this very request: optimistic enough to try drafts from 2+ token
 # matches, not from a single common token. A drafter whose matches are weaker evidence passes its own.
 DOCUMENT_MATCH_PRIORS = {1: 0.55, 2: 0.7, 3: 0.8, 4: 0.9}
+
+
+def running_mean(old: float, new: float, samples: int, memory: float) -> float:
+    """An average that is the mean of the first samples, then exponential, keeping `memory` of the old:
+    fast to settle, then following what changes."""
+    return old + (new - old) * max(1 / (samples + 1), 1 - memory)
 
 
 class DecayingRate:

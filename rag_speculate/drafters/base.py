@@ -6,8 +6,10 @@ one) keeps the output identical to plain decoding; a good one just gets more of 
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,25 @@ from transformers import PreTrainedTokenizerBase
 from ..decoding.budget import CostModel
 from ..decoding.tree import DraftTree
 from ..decoding.verify import Verification
+
+ForwardContext = Callable[[], AbstractContextManager]
+
+
+def plain_forwards(model: torch.nn.Module) -> ForwardContext:
+    """Forwards as torch runs them, with no kernel layer."""
+    return contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class Target:
+    """The model a drafter serves, as the engine describes it when it is built."""
+
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    device: torch.device
+    # The context a model's forwards run in on this engine (the CPU kernels' mode, where they serve
+    # that model): a drafter that runs a model of its own runs it the way the engine would.
+    forward_context: Callable[[torch.nn.Module], ForwardContext] = plain_forwards
 
 
 @dataclass(frozen=True)
@@ -39,9 +60,9 @@ class Drafter(ABC):
     # instead of judging it on averages, which miss the short stretches where it predicts.
     paces_itself: bool = False
 
-    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, device: torch.device) -> None:
+    def attach(self, target: Target) -> None:
         """The engine this drafter serves is being built: refuse a target whose token ids mean other
-        text, or a model of the drafter's own on another device than the target's `device`."""
+        text, or a model of the drafter's own on another device than the target's."""
 
     def start(self, context: DraftContext) -> None:
         """A new generation begins; drop per-generation state and index the context."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import takewhile
 
-from .agreement import MatchAgreement
-from ..errors import InvalidArgumentError
 from ..decoding.tree import DraftTree
 from ..decoding.verify import Verification
+from ..errors import InvalidArgumentError
+from .agreement import MatchAgreement
 from .base import DraftContext, Drafter
 from .frequency_trie import best_subtree, frequency_trie
 

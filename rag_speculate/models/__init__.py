@@ -1,6 +1,6 @@
-"""Models: the packaged ones (`packaged`), loading any model by name (`loading`), int8 draft models
-(`int8`) and a draft model's lean forward (`lean_forward`)."""
+"""Models by name: the packaged ones (`packaged`: the registry, the GGUF file, the converted cache)
+and loading any model (`loading`)."""
 
-from .packaged import cache_dir, get_packaged_model, is_packaged_model, packaged_model_names
+from .packaged import get_packaged_model, is_packaged_model, packaged_model_names
 
-__all__ = ["cache_dir", "get_packaged_model", "is_packaged_model", "packaged_model_names"]
+__all__ = ["get_packaged_model", "is_packaged_model", "packaged_model_names"]

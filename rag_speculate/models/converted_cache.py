@@ -24,12 +24,11 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .gguf_file import Progress, gguf_path, logger, report
-from .registry import PackagedModel, cache_dir, resolve
 from ..errors import InvalidArgumentError, ModelPackageError
 from ..files import (
     SHA256,
     FieldError,
+    cache_dir,
     fields,
     fsync_dir,
     integer,
@@ -42,6 +41,8 @@ from ..files import (
     text,
     write_new_file,
 )
+from .gguf_file import Progress, gguf_path, logger, report
+from .registry import PackagedModel, resolve
 
 # Bump when the converted-cache layout changes so old caches get rebuilt.
 CACHE_FORMAT_VERSION = 1
@@ -92,6 +93,24 @@ def load_packaged_model(
     model, tokenizer = loaded
     model.eval()
     return model.to(target_device), tokenizer
+
+
+def load_packaged_tokenizer(name: str | PackagedModel, *, progress: Progress | None = None) -> PreTrainedTokenizerBase:
+    """A packaged model's tokenizer without its weights: from a converted cache of any dtype whose
+    files are the ones written (the weights only by their size, as they are not read), else read
+    from the GGUF file, which is slower."""
+    spec = resolve(name)
+    for dtype in SUPPORTED_DTYPES:
+        folder = converted_dir(spec, dtype)
+        recover(folder)
+        if folder.exists() and _manifest_problem(folder, spec, dtype, weights=False) is None:
+            try:
+                return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            except Exception:  # noqa: BLE001 - the tokenizers library raises a bare Exception; the GGUF remains
+                logger.warning("the tokenizer in %s did not load; reading it from the GGUF file", folder)
+    path = gguf_path(spec, progress=progress)
+    report(progress, f"reading {spec.name}'s tokenizer from {path}")
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
 
 
 def converted_dir(name: str | PackagedModel, dtype: torch.dtype) -> Path:
@@ -149,8 +168,9 @@ def _load_cached(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pre
     return model, tokenizer
 
 
-def _manifest_problem(folder: Path, spec: PackagedModel, dtype: torch.dtype) -> str | None:
-    """Why the cache in ``folder`` cannot be trusted, or None if every file is the one written."""
+def _manifest_problem(folder: Path, spec: PackagedModel, dtype: torch.dtype, *, weights: bool = True) -> str | None:
+    """Why the cache in ``folder`` cannot be trusted, or None if every file is the one written
+    (``weights=False``: every file but the weights, whose size alone is checked)."""
     try:
         manifest = load_json((folder / MANIFEST_NAME).read_bytes())
         _MANIFEST(manifest, "")
@@ -180,7 +200,7 @@ def _manifest_problem(folder: Path, spec: PackagedModel, dtype: torch.dtype) -> 
         if size != entry["size"]:
             return f"{file_name} has size {size}, expected {entry['size']}"
     for file_name, entry in files.items():
-        if sha256_once(folder / file_name) != entry["sha256"]:
+        if (weights or file_name != WEIGHTS_NAME) and sha256_once(folder / file_name) != entry["sha256"]:
             return f"{file_name} does not match its sha256"
     return None
 

@@ -15,9 +15,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from .registry import PackagedModel, cache_dir, resolve
 from ..errors import ModelPackageError
-from ..files import fsync_dir, recover, sha256_once, sibling
+from ..files import cache_dir, fsync_dir, recover, sha256_once, sibling
+from .registry import PackagedModel, resolve
 
 # One logger for every step of loading a packaged model, whichever module takes it.
 logger = logging.getLogger("rag_speculate.models.packaged")

@@ -8,23 +8,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import packaged
-from ..cpu import cpu_flags
+from ..devices import Device, default_dtype, resolve_device
 from ..errors import InvalidArgumentError
-from .device import Device, resolve_device
-
-
-def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bf16 where the hardware computes in it (GPUs, CPUs with AVX512-BF16 or AMX), else fp32.
-
-    On an AVX2-only CPU bf16 matrix products are emulated, so a prefill or a forward over several
-    tokens (every verification step) is several times slower than in fp32, which outweighs the
-    little bf16 saves on a single-token step.
-    """
-    if torch.device(device).type != "cpu":
-        return torch.bfloat16
-    flags = cpu_flags()
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+from . import packaged
 
 
 def load_model(
@@ -40,20 +26,34 @@ def load_model(
     dtype = dtype or default_dtype(device)
     if packaged.is_packaged_model(name_or_path):
         return packaged.load_packaged_model(name_or_path, dtype=dtype, device=device, progress=progress)
-    path = Path(name_or_path)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {path}")
-        source, extra = str(path.parent), {"gguf_file": path.name}
-    elif path.exists() or "/" in name_or_path:
-        source, extra = name_or_path, {}
-    else:
-        raise InvalidArgumentError(
-            f"unknown model {name_or_path!r}: not a packaged model ({', '.join(packaged.packaged_model_names())}), "
-            "a .gguf file, a local folder, nor a Hugging Face id like 'org/name'"
-        )
+    source, extra = _source(name_or_path)
     if progress:
         progress(f"loading {name_or_path}")
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str, *, progress: Callable[[str], None] | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone, without its weights: all that indexing a corpus or checking an
+    index against a model needs."""
+    if packaged.is_packaged_model(name_or_path):
+        return packaged.load_packaged_tokenizer(name_or_path, progress=progress)
+    source, extra = _source(name_or_path)
+    return AutoTokenizer.from_pretrained(source, **extra)
+
+
+def _source(name_or_path: str) -> tuple[str, dict]:
+    """Where transformers loads a model that is not packaged from, and how."""
+    path = Path(name_or_path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists() or "/" in name_or_path:
+        return name_or_path, {}
+    raise InvalidArgumentError(
+        f"unknown model {name_or_path!r}: not a packaged model ({', '.join(packaged.packaged_model_names())}), "
+        "a .gguf file, a local folder, nor a Hugging Face id like 'org/name'",
+        "model",
+    )

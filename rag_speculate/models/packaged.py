@@ -1,6 +1,6 @@
 """Real models shipped as PyPI distributions, loaded fully offline: the public names, in one place.
 
-Loading a packaged model takes three steps, each cached under :func:`cache_dir`:
+Loading a packaged model takes three steps, each cached under `files.cache_dir`:
 
 1. find its GGUF file in the distributions named by the registry (``registry.py``), assembling a
    split model's parts, and verify its sha256 (``gguf_file.py``);
@@ -18,12 +18,12 @@ from .converted_cache import (
     WEIGHTS_NAME,
     converted_dir,
     load_packaged_model,
+    load_packaged_tokenizer,
 )
 from .gguf_file import Progress, gguf_path
 from .registry import (
     PACKAGED_MODELS,
     PackagedModel,
-    cache_dir,
     get_packaged_model,
     is_packaged_model,
     packaged_model_names,
@@ -37,11 +37,11 @@ __all__ = [
     "WEIGHTS_NAME",
     "PackagedModel",
     "Progress",
-    "cache_dir",
     "converted_dir",
     "get_packaged_model",
     "gguf_path",
     "is_packaged_model",
     "load_packaged_model",
+    "load_packaged_tokenizer",
     "packaged_model_names",
 ]

@@ -7,9 +7,7 @@ several.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import InvalidArgumentError
 
@@ -87,16 +85,3 @@ def get_packaged_model(name: str) -> PackagedModel:
 def resolve(name: str | PackagedModel) -> PackagedModel:
     return name if isinstance(name, PackagedModel) else get_packaged_model(name)
 
-
-def cache_dir() -> Path:
-    """Root of the on-disk cache.
-
-    ``$RAG_SPECULATE_CACHE``, else ``$XDG_CACHE_HOME/rag-speculate``,
-    else ``~/.cache/rag-speculate``.
-    """
-    explicit = os.environ.get("RAG_SPECULATE_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "rag-speculate"

@@ -1,1 +1,2 @@
-"""Retrieval: the corpus index (FAISS over chunk embeddings), the REST datastore, and the shipped NQ corpus."""
+"""Retrieval: the corpus index (FAISS over chunk embeddings, with a REST datastore of its tokens) and the
+shipped Natural Questions corpus."""

@@ -28,23 +28,21 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from ..drafters.rest import Datastore, DatastoreError
+from ..errors import InvalidArgumentError, RagSpeculateError
+from ..files import fsync_dir, recover, replace_dir, sibling, write_new_file
 from . import index_format as fmt
 from .chunking import ChunkingOptions, chunk_document
-from .datastore import Datastore, DatastoreError
 from .documents import Chunk, Document, read_corpus
 from .embedding import (
     BGE_EMBEDDING,
     BGE_QUERY_INSTRUCTION,
     PACKAGED_EMBEDDING,
     Embedder,
-    embedding_named_by,
     load_embedder,
     packaged_embedding_path,
 )
-from .index_format import FORMAT_VERSION, MANIFEST, CorpusIndexError
-from .rag import RAG_SYSTEM_PROMPT, drafting_documents, rag_messages
-from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import fsync_dir, recover, replace_dir, sibling, write_new_file
+from .index_format import FORMAT_VERSION, MANIFEST, CorpusIndexError, embedding_named_by
 
 __all__ = [
     "BGE_EMBEDDING",
@@ -52,17 +50,14 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "PACKAGED_EMBEDDING",
-    "RAG_SYSTEM_PROMPT",
     "Chunk",
     "ChunkingOptions",
     "CorpusIndex",
     "CorpusIndexError",
     "Document",
     "Embedder",
-    "drafting_documents",
     "load_embedder",
     "packaged_embedding_path",
-    "rag_messages",
     "read_corpus",
 ]
 
@@ -248,9 +243,10 @@ class CorpusIndex:
         ids = self._tokens[self._offsets[number] : self._offsets[number + 1]].tolist()
         return Chunk(row["text"], score, row["title"], row["id"], row["metadata"], ids, number)
 
-    def check_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        """Raise unless the chunks' token ids mean the same text for `tokenizer`."""
-        fmt.check_tokenizer(self.path, self.manifest, tokenizer)
+    def check_tokenizer(self, tokenizer: PreTrainedTokenizerBase, model: str | None = None) -> None:
+        """Raise unless the chunks' token ids mean the same text for `tokenizer` (of `model`, which the
+        error names in the command that rebuilds the index)."""
+        fmt.check_tokenizer(self.path, self.manifest, tokenizer, model)
 
 
 def _faiss_index(vectors: np.ndarray, options: ChunkingOptions) -> Any:

@@ -12,6 +12,9 @@ from typing import Any
 from ..errors import InvalidArgumentError
 
 _CORPUS_SUFFIXES = (".txt", ".md")
+# Key under which a chunk's token ids (from the target's tokenizer) travel in a framework's document
+# metadata, so the drafters get them without tokenizing the text again.
+TOKEN_IDS_KEY = "token_ids"
 
 
 @dataclass(frozen=True)

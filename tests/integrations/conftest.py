@@ -26,7 +26,7 @@ COUNT_PROMPT = f"Numbers: {COUNT_DOCUMENT[:30]}"
 @pytest.fixture(scope="session")
 def engine():
     from rag_speculate.decoding.budget import CostModel
-    from rag_speculate.serving import shared_engine
+    from rag_speculate.entrypoints.engines import shared_engine
 
     # The same cache entry the standard suites' ChatSpeculativeHF(model=MODEL, dtype=DTYPE) resolves to.
     engine = shared_engine(MODEL, dtype=DTYPE, device="cpu", draft_budget=None)

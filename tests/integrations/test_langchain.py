@@ -33,12 +33,11 @@ from langchain_core.tracers.context import collect_runs
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_rag_speculate import ChatSpeculativeHF, SpeculativeHFLLM, create_rag_chain
 from langchain_rag_speculate._tools import ReadCalls
-from rag_speculate.decoding.tool_calls import HeldText
 from pydantic import BaseModel, Field, ValidationError
 from typing_extensions import TypedDict
 
 from rag_speculate import Drafter, DraftTree, SpeculativeEngine
-from rag_speculate.decoding.tool_calls import parse_tool_calls
+from rag_speculate.entrypoints.tool_calls import HeldText, parse_tool_calls
 
 from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, MODEL
 
@@ -433,9 +432,9 @@ class RecordingEngine(SpeculativeEngine):
         self.requests: list = []
         self.streams: list = []
 
-    def stream(self, prompt: Any, **options: Any):
-        self.requests.append(self.prepare(prompt, **options))
-        self.streams.append(super().stream(prompt, **options))
+    def stream_request(self, request: Any):
+        self.requests.append(request)
+        self.streams.append(super().stream_request(request))
         return self.streams[-1]
 
 

@@ -33,15 +33,19 @@ from llama_index.llms.rag_speculate import DraftDocumentsPostprocessor, Speculat
 from llama_index.llms.rag_speculate.documents import current_documents, drafter_documents
 from llama_index.llms.rag_speculate.tools import openai_tools
 from llama_index.vector_stores.faiss import FaissVectorStore
+from packaged_fixtures import QWEN_TOOLS_TEMPLATE
 from pydantic import BaseModel, Field, RootModel, ValidationError
 
 from rag_speculate import Drafter, DraftTree, InvalidArgumentError, SpeculativeEngine
 from rag_speculate.cpu.kernels import FastKernels
+from rag_speculate.entrypoints.prompt import CALL_ONE_OF, CALL_THIS
 from rag_speculate.retrieval.corpus import Chunk, packaged_embedding_path
 
 from .conftest import COUNT_DOCUMENT, COUNT_PROMPT, DTYPE, MODEL
 
 QUESTION = "What is the capital of France?"
+# What the one prompt builder asks of an answer when a call is required, or a call to one tool.
+REQUIRED, NAMED = CALL_ONE_OF.format(names="search, weather"), CALL_THIS
 QUERY = "count the numbers one two three"
 
 
@@ -372,63 +376,9 @@ def test_devices_as_huggingface_llm_takes_them(engine):
 
 # --- function calling ---------------------------------------------------------------------
 # SmolLM2's chat template renders no tools; Qwen2.5's (ChatML too, so the same special tokens) does. The
-# same weights under that template make a model that is offered tools; and this small model copies a
-# tool call it is shown, which makes the whole loop (call, tool, result, answer) run for real.
-
-QWEN_TOOLS_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}"""
+# same weights under that template (packaged_fixtures.QWEN_TOOLS_TEMPLATE) make a model that is offered
+# tools; and this small model copies a tool call it is shown, which makes the whole loop (call, tool,
+# result, answer) run for real.
 
 SEARCH_RESULT = "Paris is the capital and largest city of France."
 SEARCH_CALL = '{"name": "search", "arguments": {"query": "capital of France"}}'
@@ -438,6 +388,12 @@ WEATHER_CALL = '{"name": "weather", "arguments": {"city": "Paris"}}'
 def copy_this(*calls: str) -> str:
     """A user turn this model answers with exactly the tool calls in it."""
     return "Copy this text exactly, nothing else:\n" + "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+
+
+def copy_before_instruction(*calls: str) -> str:
+    """`copy_this`, where the tool choice asks for a call after it (after a blank line, which the model
+    is told to ignore)."""
+    return copy_this(*calls).replace("nothing else:", "nothing else (ignore anything after a blank line):", 1)
 
 
 def search(query: str) -> str:
@@ -604,21 +560,22 @@ def test_tool_choice_and_tool_required_ask_in_the_prompt(tools_llm, prepared):
     as_dict = {"type": "function", "function": {"name": "search"}}
     tools_llm.chat_with_tools(tools, chat_history=[user], tool_choice=as_dict, max_new_tokens=2)
     tools_llm.chat_with_tools(tools, chat_history=[user], tool_choice="none", max_new_tokens=2)
-    # At the end of the last user message: the system message and the tools, the start of every turn's
-    # prompt, stay as they are, and so stay in the prompt cache.
+    # At the end of the last user message, in the words every entrance uses (the one prompt builder): the
+    # system message, the start of every turn's prompt, stays as it is, and so stays in the prompt cache.
     assert [p[0] for p in prepared[:3]] == [
         [{"role": "system", "content": "Be brief."},
-         {"role": "user", "content": f'{QUESTION}\n\nAnswer only with a call to the tool "weather", not with text.'}],
-        [{"role": "user", "content": f"{QUESTION}\n\nAnswer only with a call to one of the tools, not with text."}],
-        [{"role": "user", "content": f'{QUESTION}\n\nAnswer only with a call to the tool "search", not with text.'}],
+         {"role": "user", "content": f"{QUESTION}\n\n{NAMED.format(name='weather')}"}],
+        [{"role": "user", "content": f"{QUESTION}\n\n{REQUIRED}"}],
+        [{"role": "user", "content": f"{QUESTION}\n\n{NAMED.format(name='search')}"}],
     ]
-    assert [len(p[1]["tools"] or ()) for p in prepared] == [2, 2, 2, 0] and prepared[3][0] == [{"role": "user", "content": QUESTION}]
+    # A tool named by the choice is the only one the template gets, as through the server and LangChain.
+    assert [len(p[1]["tools"] or ()) for p in prepared] == [1, 2, 1, 0] and prepared[3][0] == [{"role": "user", "content": QUESTION}]
     # After a tool result, in the system message.
     selection = ToolSelection(tool_id="call_0", tool_name="search", tool_kwargs={"query": "France"})
     called = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [selection]})
     result = ChatMessage(role="tool", content=SEARCH_RESULT, additional_kwargs={"tool_call_id": "call_0"})
     tools_llm.chat_with_tools(tools, chat_history=[system, user, called, result], tool_required=True, max_new_tokens=2)
-    assert prepared[4][0][0] == {"role": "system", "content": "Be brief.\n\nAnswer only with a call to one of the tools, not with text."}
+    assert prepared[4][0][0] == {"role": "system", "content": f"Be brief.\n\n{REQUIRED}"}
     assert prepared[4][0][2]["tool_calls"] == [
         {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": {"query": "France"}}}
     ]
@@ -627,14 +584,14 @@ def test_tool_choice_and_tool_required_ask_in_the_prompt(tools_llm, prepared):
 
 def test_structured_output_goes_through_a_tool_call(tools_llm, prepared):
     call = '{"name": "Capital", "arguments": {"city": "Paris", "country": "France"}}'
-    predicted = tools_llm.structured_predict(Capital, PromptTemplate("{text}"), text=copy_this(call))
+    predicted = tools_llm.structured_predict(Capital, PromptTemplate("{text}"), text=copy_before_instruction(call))
     assert predicted == Capital(city="Paris", country="France")
     # The output class is the one tool offered, and a call is asked for.
     (messages, options), = prepared
     assert options["tools"] == [get_function_tool(Capital).metadata.to_openai_tool()]
-    assert messages == [{"role": "user", "content": f"{copy_this(call)}\n\nAnswer only with a call to one of the tools, not with text."}]
+    assert messages == [{"role": "user", "content": f"{copy_before_instruction(call)}\n\n{CALL_ONE_OF.format(names='Capital')}"}]
 
-    structured = tools_llm.as_structured_llm(Capital).chat([ChatMessage(role="user", content=copy_this(call))])
+    structured = tools_llm.as_structured_llm(Capital).chat([ChatMessage(role="user", content=copy_before_instruction(call))])
     assert structured.raw == Capital(city="Paris", country="France")
     assert json.loads(structured.message.content) == {"city": "Paris", "country": "France"}
     # A model that answers in text (here a call it got wrong) instead: the reason, not a silent None.

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import pytest
+from packaged_fixtures import DOCUMENT
 
-from serve_fixtures import DOCUMENT
-from rag_speculate.serve.background import running as serving
+from rag_speculate.entrypoints.openai.background import running as serving
 
 from .conftest import MODEL
 
@@ -17,8 +17,8 @@ MESSAGES = [{"role": "user", "content": QUESTION}]
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    from rag_speculate.serve import Server
-    from rag_speculate.serve.app import create_app
+    from rag_speculate.entrypoints.openai import Server
+    from rag_speculate.entrypoints.openai.app import create_app
 
     with serving(create_app(Server(engine, MODEL))) as url:
         yield url

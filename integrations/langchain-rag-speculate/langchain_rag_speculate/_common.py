@@ -10,8 +10,10 @@ from langchain_core.language_models import LangSmithParams
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from rag_speculate import GenerationResult, SpeculativeEngine
-from rag_speculate.models.device import device_from_map, resolve_device
-from rag_speculate.serving import DTYPES, TOKEN_IDS_KEY, check_call_arguments, shared_engine, token_usage
+from rag_speculate.devices import device_from_map, resolve_device
+from rag_speculate.entrypoints.engines import DTYPES, shared_engine
+from rag_speculate.entrypoints.prompt import check_call_arguments
+from rag_speculate.retrieval.documents import TOKEN_IDS_KEY
 
 # LangSmith groups runs by provider; LangChain partner packages use their package's suffix.
 PROVIDER = "rag_speculate"
@@ -153,7 +155,7 @@ class SpeculativeHFParams(BaseModel):
         return {
             "finish_reason": result.finish_reason,
             "model_name": self.model,
-            "token_usage": token_usage(result.stats),
+            "token_usage": result.stats.usage(),
             "speculative_stats": result.stats.as_dict(),
         }
 

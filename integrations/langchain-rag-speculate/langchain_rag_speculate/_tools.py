@@ -1,6 +1,6 @@
 """Tool calling for `ChatSpeculativeHF`: LangChain's tools in OpenAI's format, and the calls read back
 out of the answer as LangChain's tool calls. What `tool_choice` and `response_format` add to the
-prompt is `rag_speculate.decoding.instructions`'."""
+prompt is the one prompt builder's (`rag_speculate.entrypoints.prompt`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from langchain_core.messages import InvalidToolCall, ToolCall, ToolCallChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from rag_speculate.decoding.tool_calls import ParsedToolCalls, call_id_prefix, check_tools, parse_tool_calls
+from rag_speculate.engine.inputs import check_tools
+from rag_speculate.entrypoints.tool_calls import ParsedToolCalls, call_id_prefix, parse_tool_calls
 
 # The per-call arguments of the chat model beyond the shared ones.
 TOOL_ARGUMENTS = ("tools", "tool_choice", "response_format")

@@ -32,9 +32,8 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from rag_speculate import GenerationResult, GenerationStream
-from rag_speculate.decoding.instructions import chosen_tool, json_instruction, template_tools, with_instructions
-from rag_speculate.decoding.tool_calls import HeldText
-from rag_speculate.serving import acollect, aiterate, collect, token_usage
+from rag_speculate.entrypoints.prompt import Prepared, chosen_tool, prepare
+from rag_speculate.entrypoints.tool_calls import HeldText
 
 from ._common import CALL_ARGUMENTS, MODEL_CONFIG, SpeculativeHFParams
 from ._tools import TOOL_ARGUMENTS, ReadCalls, convert_tools, describe, one_line
@@ -48,12 +47,19 @@ STRUCTURED_OUTPUT_METHODS = ("function_calling", "json_schema", "json_mode")
 
 @dataclass
 class _Call:
-    """One generation under way: its stream, the messages it answers, and whether tools were offered
-    (then the answer is read for calls)."""
+    """One generation under way: its stream, and the request it answers (its messages, and the tools
+    offered, when there are any: then the answer is read for calls)."""
 
     stream: GenerationStream
-    messages: list[dict]
-    reads_calls: bool
+    prepared: Prepared
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.prepared.messages
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.prepared.tools is not None
 
 
 class ChatSpeculativeHF(SpeculativeHFParams, BaseChatModel):
@@ -172,12 +178,12 @@ class ChatSpeculativeHF(SpeculativeHFParams, BaseChatModel):
     def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
         options = self._generation_kwargs(stop, kwargs)  # checks every argument's name
         tools = convert_tools(kwargs["tools"]) if kwargs.get("tools") else None
-        tools, instruction = template_tools(tools, chosen_tool(kwargs.get("tool_choice"), tools or []))
-        chat = with_instructions(
-            _chat_messages(messages), system=json_instruction(kwargs.get("response_format")), last=instruction
-        )
-        stream = self.get_engine().stream(chat, chat=True, tools=tools, **options)
-        return _Call(stream, chat, reads_calls=tools is not None)
+        engine = self.get_engine()
+        prepared = prepare(
+            engine, _chat_messages(messages), tools=tools, tool_choice=kwargs.get("tool_choice"),
+            response_format=kwargs.get("response_format"), **options,
+        )  # fmt: skip
+        return _Call(engine.stream_request(prepared.request), prepared)
 
     def _message(self, call: _Call, result: GenerationResult) -> AIMessage:
         info = self._result_info(result)
@@ -229,7 +235,7 @@ class ChatSpeculativeHF(SpeculativeHFParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._start(messages, stop, kwargs)
-        return self._chat_result(call, collect(call.stream))
+        return self._chat_result(call, call.stream.collect())
 
     async def _agenerate(
         self,
@@ -239,7 +245,7 @@ class ChatSpeculativeHF(SpeculativeHFParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._start(messages, stop, kwargs)
-        return self._chat_result(call, await acollect(call.stream))
+        return self._chat_result(call, await call.stream.acollect())
 
     def _stream(
         self,
@@ -271,7 +277,7 @@ class ChatSpeculativeHF(SpeculativeHFParams, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = self._start(messages, stop, kwargs)
         held = HeldText() if call.reads_calls else None
-        async for delta in aiterate(call.stream):
+        async for delta in call.stream:
             text = held.feed(delta) if held is not None else delta
             if text:
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
@@ -325,7 +331,7 @@ def _converted(schema: Any, convert: Callable[[Any], dict]) -> dict:
 
 
 def _usage_metadata(result: GenerationResult) -> UsageMetadata:
-    usage = token_usage(result.stats)
+    usage = result.stats.usage()
     return UsageMetadata(
         input_tokens=usage["prompt_tokens"],
         output_tokens=usage["completion_tokens"],
@@ -337,18 +343,9 @@ def _usage_metadata(result: GenerationResult) -> UsageMetadata:
 
 def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     """LangChain messages as the chat template's dicts ({"role", "content"}, an AI message's
-    "tool_calls", a tool message's "tool_call_id"); what it cannot render is refused."""
-    if not messages:
-        raise ValueError("ChatSpeculativeHF needs at least one message")
-    out = [_chat_message(m) for m in messages]
-    if out[-1]["role"] not in ("user", "tool"):
-        raise ValueError(
-            f"the chat history must end with a user (human) or tool message, not {type(messages[-1]).__name__}: "
-            "the model answers the last one"
-        )
-    if out[-1]["role"] == "user" and not out[-1]["content"].strip():
-        raise ValueError("the last user message is empty")
-    return out
+    "tool_calls", a tool message's "tool_call_id"); what it cannot render is refused (the history
+    itself is checked where every entrance's is, in the prompt builder)."""
+    return [_chat_message(m) for m in messages]
 
 
 def _chat_message(message: BaseMessage) -> dict:

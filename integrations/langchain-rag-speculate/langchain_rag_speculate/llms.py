@@ -10,7 +10,7 @@ from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from rag_speculate import GenerationResult, GenerationStream
-from rag_speculate.serving import acollect, aiterate, collect, token_usage
+from rag_speculate.entrypoints.prompt import prepare
 
 from ._common import MODEL_CONFIG, SpeculativeHFParams
 
@@ -41,13 +41,14 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
         return self.get_engine().tokenizer.encode(text)
 
     def _start(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationStream:
-        return self.get_engine().stream(prompt, **self._generation_kwargs(stop, kwargs))
+        engine = self.get_engine()
+        return engine.stream_request(prepare(engine, prompt, chat=False, **self._generation_kwargs(stop, kwargs)).request)
 
     def _generation(self, result: GenerationResult) -> Generation:
         return Generation(text=result.text, generation_info=self._result_info(result))
 
     def _llm_result(self, results: list[GenerationResult]) -> LLMResult:
-        usage = [token_usage(r.stats) for r in results]
+        usage = [r.stats.usage() for r in results]
         total = {key: sum(u[key] for u in usage) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
         total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)}
         return LLMResult(
@@ -62,7 +63,7 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return self._llm_result([collect(self._start(p, stop, kwargs)) for p in prompts])
+        return self._llm_result([self._start(p, stop, kwargs).collect() for p in prompts])
 
     async def _agenerate(
         self,
@@ -71,7 +72,7 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return self._llm_result([await acollect(self._start(p, stop, kwargs)) for p in prompts])
+        return self._llm_result([await self._start(p, stop, kwargs).acollect() for p in prompts])
 
     def _stream(
         self,
@@ -99,7 +100,7 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         stream = self._start(prompt, stop, kwargs)
-        async for delta in aiterate(stream):
+        async for delta in stream:
             chunk = GenerationChunk(text=delta)
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)

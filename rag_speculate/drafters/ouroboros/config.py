@@ -58,13 +58,12 @@ class OuroborosConfig:
         least = {"gamma": 1, "W": 1, "beta": 2, "K": 0, "draft_tree_budget": 0, "alternatives": 0, "lookahead": 0,
                  "lookahead_ngram": 2, "max_pause": 1}
         for name, low in least.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-        head = self.head_vocabulary
-        if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 1):
-            raise InvalidArgumentError(f"head_vocabulary must be an integer >= 1 or None, got {head!r}")
+            check_int(getattr(self, name), name, low)
+        if self.head_vocabulary is not None:
+            check_int(self.head_vocabulary, "head_vocabulary", 1)
         if self.prompt_cache_bytes is not None:
             check_int(self.prompt_cache_bytes, "prompt_cache_bytes", 0)
         if self.min_score is not None and not 0 <= self.min_score <= 1:
-            raise InvalidArgumentError(f"min_score must be in [0, 1] or None (from measured costs), got {self.min_score}")
+            raise InvalidArgumentError(
+                f"min_score must be in [0, 1] or None (from measured costs), got {self.min_score}", "min_score"
+            )

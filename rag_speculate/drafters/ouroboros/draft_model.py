@@ -4,7 +4,6 @@ and one draft forward over the pool's phrases (tree attention), with its confide
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections import Counter
@@ -15,14 +14,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...decoding.budget import CostModel
-from ...decoding.forward import TreeForward, kernel_context
+from ...decoding.forward import TreeForward
 from ...decoding.kv_cache import keep_cache_entries, make_cache, sliding_window
 from ...decoding.output import eos_token_ids
 from ...decoding.prompt_cache import PromptCache
 from ...decoding.sampling import SamplingParams
 from ...decoding.tree import DraftTree
 from ...decoding.verify import Verification, accept
-from ...models.lean_forward import lean_forward
+from ..base import ForwardContext
+from .lean_forward import lean_forward
 
 _GREEDY = SamplingParams()
 Alternative = tuple[int, float]  # a token the draft model ranked below its choice, and its probability
@@ -65,7 +65,8 @@ class DraftModel:
         self.tokenizer = tokenizer
         # Why the draft model runs its own forward rather than the leaner one; "" when lean.
         self._lean, self.lean_forward_skipped = lean_forward(model) if lean else (None, "lean=False")
-        self.forward = TreeForward(model, context=kernel_context(model) or contextlib.nullcontext, forward=self._lean)
+        # Its forwards run as the engine runs a model's (`attach`).
+        self.forward = TreeForward(model, forward=self._lean)
         self.head_vocabulary = head_vocabulary
         self.tree_budget = tree_budget  # pool nodes one draft forward checks at most
         self.embedded = model.get_input_embeddings().num_embeddings
@@ -91,7 +92,8 @@ class DraftModel:
         self.cache = make_cache(self.model)
         self.cached = []
 
-    def attach(self, vocab_size: int) -> None:
+    def attach(self, vocab_size: int, context: ForwardContext) -> None:
+        self.forward.context = context
         # Embedding tables may be padded past the tokenizer differently: propose only ids both embed.
         self.vocab_size = min(self.embedded, vocab_size)
         # Its drafts are only checked: a forward whose logits move with the rows beside it (int8)

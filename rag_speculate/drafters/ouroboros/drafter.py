@@ -51,16 +51,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...decoding.budget import CostModel, best_prefix
 from ...decoding.tree import ROOT, DraftTree
 from ...decoding.verify import Verification
 from ...errors import InvalidArgumentError
-from ...retrieval.datastore import tokenizer_fingerprint
+from ...fingerprint import tokenizer_fingerprint
 from ..agreement import DecayingRate, agreement_trials
-from ..base import DraftContext, Drafter
+from ..base import DraftContext, Drafter, Target
 from ..frequency_trie import best_subtree, frequency_trie
 from .config import OuroborosConfig
 from .draft_model import Alternative, DraftModel
@@ -129,7 +128,8 @@ class OuroborosDrafter(Drafter):
         self._depth = DepthLimit(self.config.gamma, self.config.max_pause)
         self._window = JacobiWindow(self.config.lookahead, self.config.lookahead_ngram)
 
-    def attach(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, device: torch.device) -> None:
+    def attach(self, target: Target) -> None:
+        tokenizer, device = target.tokenizer, target.device
         fingerprint = tokenizer_fingerprint(tokenizer)
         if tokenizer_fingerprint(self.draft.tokenizer) != fingerprint:
             raise InvalidArgumentError(
@@ -151,7 +151,7 @@ class OuroborosDrafter(Drafter):
                 f"the draft model embeds {self.draft.embedded} token ids but the tokenizer has {len(tokenizer)}: "
                 "it was built for another tokenizer; pick a draft model of the target's family"
             )
-        self.draft.attach(vocab_size)
+        self.draft.attach(target.vocab_size, target.forward_context(self.draft.model))
 
     def start(self, context: DraftContext) -> None:
         """Fresh draft cache, holding the prompt; the pool and the learnt rates are kept (warm start)."""

@@ -20,9 +20,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ...retrieval.datastore import tokenizer_fingerprint
 from ...errors import InvalidArgumentError, RagSpeculateError
 from ...files import SHA256, FieldError, atomic_write_bytes, fields, integer, list_of, load_json
+from ...fingerprint import tokenizer_fingerprint
 
 Phrase = tuple[int, ...]
 

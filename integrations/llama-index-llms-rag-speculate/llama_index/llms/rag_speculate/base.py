@@ -30,27 +30,18 @@ from llama_index.core.types import TokenAsyncGen, TokenGen
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from rag_speculate import GenerationResult, GenerationStream, SpeculativeEngine
-from rag_speculate.decoding.instructions import chosen_tool
-from rag_speculate.models.device import device_from_map, resolve_device
-from rag_speculate.serving import DTYPES, acollect, aiterate, check_call_arguments, collect, shared_engine, token_usage
+from rag_speculate.devices import device_from_map, resolve_device
+from rag_speculate.entrypoints.engines import DTYPES, shared_engine
+from rag_speculate.entrypoints.prompt import Prepared, check_call_arguments, chosen_tool, prepare
 
 from .documents import current_documents, drafter_documents, drafting_for_query
-from .tools import (
-    NAMED_INSTRUCTION,
-    REQUIRED_INSTRUCTION,
-    TOOL_CALL_ERROR,
-    TOOL_CALLS,
-    message_tool_calls,
-    openai_tools,
-    parsed_message_kwargs,
-    tool_selections,
-    with_instruction,
-)
+from .tools import TOOL_CALL_ERROR, TOOL_CALLS, message_tool_calls, openai_tools, parsed_message_kwargs, tool_selections
 
 # What a caller may pass per call to complete/chat and their stream/async variants.
 CALL_ARGUMENTS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "documents")
-# ... and what chat and its variants take besides: LlamaIndex tools or OpenAI-format tool dicts.
-CHAT_ARGUMENTS = (*CALL_ARGUMENTS, "tools")
+# ... and what chat and its variants take besides: LlamaIndex tools or OpenAI-format tool dicts, and
+# which of them to call ("auto", "none", "required" or a tool's name).
+CHAT_ARGUMENTS = (*CALL_ARGUMENTS, "tools", "tool_choice")
 _ROLES = (MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT)
 _TOOL_ROLES = (MessageRole.TOOL, MessageRole.FUNCTION)
 _LOADING = ("dtype", "device", "device_map", "draft_budget")
@@ -170,7 +161,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._response(collect(self._start_completion(prompt, formatted, kwargs)))
+        return self._response(self._start_completion(prompt, formatted, kwargs).collect())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -178,7 +169,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._response(await acollect(self._start_completion(prompt, formatted, kwargs)))
+        return self._response(await self._start_completion(prompt, formatted, kwargs).acollect())
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -192,7 +183,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         stream, tools = self._start_chat(messages, kwargs)
-        return _chat_response(self._response(collect(stream)), tools)
+        return _chat_response(self._response(stream.collect()), tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -202,7 +193,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         stream, tools = self._start_chat(messages, kwargs)
-        return _chat_response(self._response(await acollect(stream)), tools)
+        return _chat_response(self._response(await stream.acollect()), tools)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -224,8 +215,8 @@ class SpeculativeHFLLM(FunctionCallingLLM):
     ) -> dict[str, Any]:
         """The chat arguments for a call offering `tools`. Nothing constrains the decoding (the answer
         stays the model's own), so `tool_required=True` and a `tool_choice` naming a tool (or
-        "required") become an instruction to answer with a call, at the end of the last user message
-        (`with_instruction`); `tool_choice="none"` leaves the tools out of the prompt."""
+        "required") become an instruction to answer with a call, which the prompt builder places as it
+        does for every entrance; `tool_choice="none"` leaves the tools out of the prompt."""
         checked = openai_tools(tools) or []
         messages = list(chat_history or [])
         if user_msg is not None:
@@ -239,11 +230,9 @@ class SpeculativeHFLLM(FunctionCallingLLM):
             if tool_required or choice == "required":
                 raise ValueError("tool_required=True (or tool_choice='required') needs at least one tool")
             return {"messages": messages, **kwargs}
-        if choice not in ("auto", "required"):
-            messages = with_instruction(messages, NAMED_INSTRUCTION.format(name=choice))
-        elif tool_required or choice == "required":
-            messages = with_instruction(messages, REQUIRED_INSTRUCTION)
-        return {"messages": messages, "tools": checked, **kwargs}
+        if tool_required and choice == "auto":
+            choice = "required"
+        return {"messages": messages, "tools": checked, "tool_choice": choice, **kwargs}
 
     def _validate_chat_with_tools_response(
         self,
@@ -292,6 +281,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
         check_call_arguments("SpeculativeHFLLM", kwargs, CHAT_ARGUMENTS)
         kwargs = dict(kwargs)
         tools = openai_tools(kwargs.pop("tools", None))
+        tool_choice = kwargs.pop("tool_choice", None)
         chat = _chat_messages(messages)
         if self.messages_to_prompt is not generic_messages_to_prompt:
             if tools:
@@ -299,17 +289,22 @@ class SpeculativeHFLLM(FunctionCallingLLM):
                     "tools reach the model through its chat template, which this LLM's messages_to_prompt replaces"
                 )
             return self._start(self.messages_to_prompt(messages), False, kwargs), None
-        return self._start(chat, True, kwargs, tools), tools
+        stream, prepared = self._start_prepared(chat, True, kwargs, tools=tools, tool_choice=tool_choice)
+        return stream, prepared.tools
 
-    def _start(
-        self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any], tools: list[dict] | None = None
-    ) -> GenerationStream:
+    def _start(self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any]) -> GenerationStream:
+        return self._start_prepared(prompt, chat, kwargs)[0]
+
+    def _start_prepared(
+        self, prompt: str | list[dict], chat: bool, kwargs: dict[str, Any], **tooling: Any
+    ) -> tuple[GenerationStream, Prepared]:
+        """The generation through the one prompt builder, with the settings and this call's arguments."""
         check_call_arguments("SpeculativeHFLLM", kwargs, CALL_ARGUMENTS)
         documents = kwargs.get("documents")
-        return self._engine.stream(
+        prepared = prepare(
+            self._engine,
             prompt,
             chat=chat,
-            tools=tools,
             documents=current_documents() if documents is None else drafter_documents(documents),
             max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             temperature=kwargs.get("temperature", self.temperature),
@@ -317,7 +312,9 @@ class SpeculativeHFLLM(FunctionCallingLLM):
             top_k=kwargs.get("top_k", self.top_k),
             seed=kwargs.get("seed", self.seed),
             stop=kwargs.get("stop", self.stop),
+            **tooling,
         )
+        return self._engine.stream_request(prepared.request), prepared
 
     # --- responses -----------------------------------------------------------------------
 
@@ -326,7 +323,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
         return CompletionResponse(
             text=result.text,
             delta=delta,
-            raw={"model": self.model_name, "usage": token_usage(result.stats)},
+            raw={"model": self.model_name, "usage": result.stats.usage()},
             additional_kwargs={"finish_reason": result.finish_reason, "speculative_stats": result.stats.as_dict()},
         )
 
@@ -343,7 +340,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
 
     async def _aresponses(self, stream: GenerationStream) -> AsyncIterator[CompletionResponse]:
         text = ""
-        async for delta in aiterate(stream):
+        async for delta in stream:
             text += delta
             yield CompletionResponse(text=text, delta=delta)
         yield self._response(stream.result, delta="")
@@ -368,9 +365,8 @@ def _chat_response(response: CompletionResponse, tools: list[dict] | None = None
 def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """LlamaIndex messages as the chat template's dicts: {"role", "content"}, tool results as {"role":
     "tool", "content", "tool_call_id"}, assistant turns that called tools with their "tool_calls"; what
-    the template cannot render is refused."""
-    if not messages:
-        raise ValueError("chat needs at least one message")
+    the template cannot render is refused (the history itself is checked where every entrance's is, in
+    the prompt builder)."""
     out = []
     for message in messages:
         if message.role not in (*_ROLES, *_TOOL_ROLES):
@@ -391,11 +387,4 @@ def _chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             if calls:
                 entry["tool_calls"] = calls
         out.append(entry)
-    if out[-1]["role"] not in ("user", "tool"):
-        raise ValueError(
-            f"the chat history must end with a user message (or a tool result), not {out[-1]['role']!r}: "
-            "the model answers it"
-        )
-    if out[-1]["role"] == "user" and not out[-1]["content"].strip():
-        raise ValueError("the last user message is empty")
     return out

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
-from rag_speculate.serving import TOKEN_IDS_KEY
+from rag_speculate.retrieval.documents import TOKEN_IDS_KEY
 
 Documents = Sequence[NodeWithScore | BaseNode | str | Sequence[int]]
 

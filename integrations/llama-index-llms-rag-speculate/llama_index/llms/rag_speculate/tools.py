@@ -12,17 +12,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
+from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.tools.types import BaseTool
 
 from rag_speculate import InvalidArgumentError
-from rag_speculate.decoding.tool_calls import ParsedToolCalls, check_tools, parse_tool_calls, template_tool_call
+from rag_speculate.engine.inputs import check_tools
+from rag_speculate.entrypoints.tool_calls import ParsedToolCalls, parse_tool_calls, template_tool_call
 
-# What `tool_required=True` or a `tool_choice` asks for, as an instruction in the prompt: without constrained
-# decoding a model can only be asked (the answer stays the model's own greedy or sampled one).
-REQUIRED_INSTRUCTION = "Answer only with a call to one of the tools, not with text."
-NAMED_INSTRUCTION = 'Answer only with a call to the tool "{name}", not with text.'
 # Keys of a response message's additional_kwargs: the parsed calls, and why a call-like answer was not one.
 TOOL_CALLS = "tool_calls"
 TOOL_CALL_ERROR = "tool_call_error"
@@ -62,26 +59,6 @@ def openai_tools(tools: Sequence[BaseTool | dict] | None) -> list[dict] | None:
             raise
         name = names[int(where.group(1))]
         raise InvalidArgumentError(f"tool {name!r} cannot be offered to the model: {exc}") from None
-
-
-def with_instruction(messages: Sequence[ChatMessage], instruction: str) -> list[ChatMessage]:
-    """`messages` with `instruction` at the end of the last message when it is the user's (the prompt
-    then differs from the next turn's only from there: the prompt cache keeps the rest), else at the end
-    of the first system message (a new one if there is none); the caller's messages are not modified."""
-    messages = list(messages)
-    if messages and messages[-1].role == MessageRole.USER:
-        last = messages[-1]
-        text = f"{last.content or ''}\n\n{instruction}"
-        messages[-1] = ChatMessage(role=MessageRole.USER, content=text, additional_kwargs=dict(last.additional_kwargs))
-        return messages
-    if messages and messages[0].role == MessageRole.SYSTEM:
-        first = messages[0]
-        text = f"{first.content}\n\n{instruction}" if first.content else instruction
-        messages[0] = ChatMessage(
-            role=MessageRole.SYSTEM, content=text, additional_kwargs=dict(first.additional_kwargs)
-        )
-        return messages
-    return [ChatMessage(role=MessageRole.SYSTEM, content=instruction), *messages]
 
 
 def tool_call_dict(call: Any, where: str) -> dict:

@@ -1,0 +1,62 @@
+"""The engines every entrance shares: one per configuration and process (`shared_engine`), and one
+drafting for RAG from the retrieved chunks, the corpus and a draft model (`rag_engine`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..devices import Device, resolve_device
+from ..drafters import NGramTrieDrafter, OuroborosDrafter, RESTDrafter
+from ..drafters.ouroboros.int8 import int8_draft_model
+from ..engine import SpeculativeEngine
+from ..errors import InvalidArgumentError
+from ..models.loading import load_model
+from ..retrieval.corpus import CorpusIndex
+
+# "auto": bf16 where the hardware computes in it, else fp32 (devices.default_dtype).
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_engines: dict[tuple, SpeculativeEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(model: str, *, dtype: str, device: Device, draft_budget: int | None) -> SpeculativeEngine:
+    """One engine per configuration and process: adapters built from the same name share the weights
+    (and take turns on them). `device` as `devices.resolve_device` reads it (None: CUDA when
+    available), so "cuda" and None name the same engine on a GPU machine."""
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
+    resolved = resolve_device(device)
+    key = (model, dtype, str(resolved), draft_budget)
+    # Loading under the lock makes a concurrent second caller wait for this copy instead of loading another.
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = SpeculativeEngine.from_pretrained(
+                model, dtype=DTYPES[dtype], device=resolved, draft_budget=draft_budget
+            )
+        return _engines[key]
+
+
+def rag_engine(
+    engine: SpeculativeEngine,
+    index: CorpusIndex | None,
+    draft_model: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    prompt_cache_bytes: int | None = None,
+) -> SpeculativeEngine:
+    """`engine`'s model drafting in one tree from the retrieved chunks (trie), the whole corpus
+    (REST, with an index) and, if named, a draft model (int8 on a CPU); `prompt_cache_bytes` as
+    `SpeculativeEngine` takes it."""
+    drafters = [NGramTrieDrafter()]
+    if index is not None:
+        index.check_tokenizer(engine.tokenizer, engine.name)
+        drafters.append(RESTDrafter(index.datastore))
+    if draft_model:
+        model, tokenizer = load_model(draft_model, dtype=engine.model.dtype, device=engine.model.device, progress=progress)
+        if model.device.type == "cpu":
+            model = int8_draft_model(model)
+        drafters.append(OuroborosDrafter(model, tokenizer))
+    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name, prompt_cache_bytes=prompt_cache_bytes)

@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP API over a `Server`: FastAPI routes, OpenAI's own response types.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
+
+Responses are built from the `openai` package's pydantic types, so their schema is OpenAI's, plus
+two extension fields: `acceleration` (what speculation did: the engine's GenerationStats) and, when
+the request asked the server to retrieve, `sources` (the chunks the answer was given). Errors have
+OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 naming the field at fault, 413
+for a body over the size limit, 503 with Retry-After when the queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ...decoding.result import GenerationResult
+from ...retrieval.documents import Chunk
+from ..tool_calls import HeldText
+from .admission import QueueFull
+from .config import MAX_BODY_BYTES
+from .protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest, UnsupportedField
+from .server import Job, RequestError, Server, finish_reason
+
+# What a client refused for a full queue is told to wait before trying again.
+RETRY_AFTER_S = 1
+# The status a request whose client disconnected is counted under (nginx's); nobody reads it.
+CLIENT_GONE = 499
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def create_app(server: Server, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="rag-speculate", summary="OpenAI-compatible API with lossless speculative decoding")
+    app.add_middleware(_Guard, max_body_bytes=max_body_bytes, server=server)
+    _error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": server.name}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        model = Model(id=server.name, created=0, object="model", owned_by="rag-speculate")
+        return {"object": "list", "data": [_plain(model)]}
+
+    if server.metrics.backend == "prometheus":
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(server.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, server, body, await asyncio.to_thread(server.chat_job, body))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, server, body, await asyncio.to_thread(server.completion_job, body))
+
+    return app
+
+
+async def _respond(request: Request, server: Server, body: ChatCompletionRequest | CompletionRequest, job: Job) -> Response:
+    """The whole answer once generated, or (with `stream`) its chunks as server-sent events."""
+    reply = _Reply(server, body, job)
+    if body.stream:
+        server.admission.check()  # a full queue is a 503 before the stream begins
+        return EventSourceResponse(_events(reply.chunks(server.stream(job))))
+    result = await _unless_disconnected(request, server.run(job))
+    return JSONResponse(reply.whole(result)) if result else Response(status_code=CLIENT_GONE)
+
+
+class _Reply:
+    """The responses to one request, in OpenAI's types; one id and creation time for all its chunks."""
+
+    def __init__(self, server: Server, body: ChatCompletionRequest | CompletionRequest, job: Job):
+        self.server, self.body, self.job, self.model = server, body, job, server.name
+        self.id, self.created = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+
+    def whole(self, result: GenerationResult) -> dict:
+        return self.chat_completion(result) if self.job.chat else self.completion(result)
+
+    def chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
+        return self.chat_chunks(deltas) if self.job.chat else self.completion_chunks(deltas)
+
+    def chat_completion(self, result: GenerationResult) -> dict:
+        calls = self.server.tool_calls(self.job, result.text)
+        message = {"role": "assistant", "content": result.text if calls is None else calls.content}
+        if calls is not None:
+            message["tool_calls"] = calls.calls
+        choice = Choice(index=0, message=message, finish_reason=finish_reason(result, calls), logprobs=None)
+        response = ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
+                                  choices=[choice], usage=CompletionUsage(**result.stats.usage()))
+        return self._extended(response, result)
+
+    def completion(self, result: GenerationResult) -> dict:
+        choice = CompletionChoice(index=0, text=result.text, finish_reason=finish_reason(result, None), logprobs=None)
+        response = Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
+                              choices=[choice], usage=CompletionUsage(**result.stats.usage()))
+        return self._extended(response, result)
+
+    async def chat_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
+        yield _plain(self._chat_chunk(ChoiceDelta(role="assistant", content="")))
+        held = HeldText() if self.job.prepared.tools else None
+        async for item in deltas:
+            if isinstance(item, str):
+                text = held.feed(item) if held else item
+                if text:
+                    yield _plain(self._chat_chunk(ChoiceDelta(content=text)))
+                continue
+            calls = self.server.tool_calls(self.job, item.text)
+            if held is not None:
+                rest = held.finish(item.text if calls is None else calls.content or "")
+                if rest:
+                    yield _plain(self._chat_chunk(ChoiceDelta(content=rest)))
+            if calls is not None:
+                tool_deltas = [{"index": i, **call} for i, call in enumerate(calls.calls)]
+                yield _plain(self._chat_chunk(ChoiceDelta(tool_calls=tool_deltas)))
+            yield self._extended(self._chat_chunk(ChoiceDelta(), finish_reason(item, calls)), item)
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield self._usage_chunk(ChatCompletionChunk, "chat.completion.chunk", item)
+
+    async def completion_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
+        async for item in deltas:
+            if isinstance(item, str):
+                yield _plain(self._completion_chunk(item, None))
+                continue
+            yield self._extended(self._completion_chunk("", finish_reason(item, None)), item)
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield self._usage_chunk(Completion, "text_completion", item)
+
+    def _chat_chunk(self, delta: ChoiceDelta, finish: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
+                                   choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None)])
+
+    def _completion_chunk(self, text: str, finish: str | None) -> Completion:
+        # OpenAI streams finish_reason null until the last chunk, which the type does not admit.
+        choice = CompletionChoice.model_construct(index=0, text=text, finish_reason=finish, logprobs=None)
+        return Completion(id=self.id, object="text_completion", created=self.created, model=self.model, choices=[choice])
+
+    def _usage_chunk(self, kind: type, obj: str, result: GenerationResult) -> dict:
+        """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+        return _plain(kind(id=self.id, object=obj, created=self.created, model=self.model, choices=[],
+                           usage=CompletionUsage(**result.stats.usage())))
+
+    def _extended(self, response: Any, result: GenerationResult) -> dict:
+        out = _plain(response)
+        out["acceleration"] = result.stats.as_dict()
+        if self.job.prepared.sources:
+            out["sources"] = [_source(c) for c in self.job.prepared.sources]
+        return out
+
+
+def _plain(response: Any) -> dict:
+    """An OpenAI type as JSON-ready data: the fields set, no others (OpenAI's bodies leave unused ones out)."""
+    return response.model_dump(mode="json", exclude_unset=True)
+
+
+def _source(chunk: Chunk) -> dict:
+    return {"id": chunk.id, "title": chunk.title, "text": chunk.text, "score": chunk.score}
+
+
+async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events of one streamed answer, ending with OpenAI's `[DONE]`. A client that goes
+    away cancels this generator, which stops the generation (sse-starlette watches the connection)."""
+    try:
+        async for chunk in chunks:
+            yield json.dumps(chunk, ensure_ascii=False)
+    except Exception as error:  # noqa: BLE001 - the response has begun: it can only be told in the stream
+        status = 503 if isinstance(error, QueueFull) else 400 if isinstance(error, RequestError) else 500
+        if status == 500:
+            logger.exception("generation failed mid-stream")
+        yield json.dumps(_error_body(str(error), getattr(error, "param", None), status))
+    yield "[DONE]"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client disconnects first: then `work` is cancelled, which
+    stops its generation."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):  # let it leave the queue, or stop its generation
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next message the server hands over is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 503: "server_overloaded", 500: "server_error"}
+
+
+def _error_body(message: str, param: str | None, status: int, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+
+
+def _error(message: str, param: str | None, status: int, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(message, param, status, code), status_code=status, headers=headers)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        if error["type"] == "json_invalid":
+            return _error(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None, 400)
+        cause = error.get("ctx", {}).get("error")
+        if isinstance(cause, UnsupportedField):
+            return _error(str(cause), cause.field, 400, "unsupported_parameter")
+        # loc is ("body", field, index, ..., then the union member tried, e.g. "list[str]"): the
+        # field's path, as OpenAI names nested fields ("messages.0.content").
+        path = []
+        for part in error["loc"][1:]:
+            if not isinstance(part, int) and part not in FIELD_NAMES:
+                break
+            path.append(str(part))
+        param = ".".join(path) or None
+        detail = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            name = ".".join(map(str, error["loc"][1:]))
+            return _error(f"unrecognized request argument supplied: {name}", name, 400, "unknown_parameter")
+        if error["type"] == "missing":
+            return _error(f"missing required field: {param}", param, 400)
+        return _error(f"{param or 'body'}: {detail}", param, 400)
+
+    @app.exception_handler(RequestError)
+    async def refused(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(str(exc), exc.param, 400)
+
+    @app.exception_handler(QueueFull)
+    async def overloaded(_: Request, exc: QueueFull) -> JSONResponse:
+        return _error(f"the server is busy ({exc}); retry later", None, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(str(exc.detail), None, exc.status_code)
+
+
+class _Guard:
+    """ASGI middleware: refuses a body over the size limit before anything parses it, and counts
+    every answer in the metrics by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, server: Server):
+        self.app, self.limit, self.server = app, max_body_bytes, server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            body = await self._body(scope, receive)
+            if body is None:
+                status = 413
+                response = _error(f"the request body is over the {self.limit}-byte limit", None, 413, "request_too_large")
+                return await response(scope, receive, send)
+            replayed = False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if replayed:  # after the body, the connection's own messages (a disconnect)
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await self.app(scope, replay, counted)
+        finally:
+            path = scope["path"]
+            self.server.metrics.request(path if path in ENDPOINTS else "other", status)
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None once it is over the limit."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return None
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(parts)
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                return None
+            if not message.get("more_body"):
+                return b"".join(parts)

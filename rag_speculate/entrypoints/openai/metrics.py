@@ -1,0 +1,101 @@
+"""The server's Prometheus metrics: requests, the queue, and what speculation did for each answer.
+
+One set of metrics, written through either of two libraries: prometheus-client (a standalone server
+exposes them at /metrics) or `ray.serve.metrics` (under Ray Serve, which adds each replica's tags and
+exports them from every node). Tokens per forward is `generated_tokens_total / target_forwards_total`
+over any window; acceptance per drafter is `accepted_tokens_total / drafted_tokens_total`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...decoding.result import GenerationStats
+
+PREFIX = "rag_speculate_"
+# Seconds per request, and decode tokens per second: CPU answers take seconds, GPU ones far less.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+SPEED_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+TOKENS_PER_FORWARD_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8)
+
+# name -> (kind, description, labels, buckets)
+_METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
+    "requests_total": ("counter", "Requests answered, by endpoint and HTTP status", ("endpoint", "status"), None),
+    "queue_length": ("gauge", "Requests waiting for the engine", (), None),
+    "running_requests": ("gauge", "Generations running on the engine", (), None),
+    "prompt_tokens_total": ("counter", "Prompt tokens of finished generations", (), None),
+    "cached_prompt_tokens_total": ("counter", "Prompt tokens read from the prompt cache", (), None),
+    "generated_tokens_total": ("counter", "Tokens generated", (), None),
+    "target_forwards_total": ("counter", "Forwards of the target model, prefill included", (), None),
+    "drafted_tokens_total": ("counter", "Draft tokens verified, by drafter", ("drafter",), None),
+    "accepted_tokens_total": ("counter", "Draft tokens accepted, by drafter", ("drafter",), None),
+    "request_latency_seconds": ("histogram", "Time from arrival to the last token", (), LATENCY_BUCKETS),
+    "time_to_first_token_seconds": ("histogram", "Time from arrival to the first token", (), LATENCY_BUCKETS),
+    "decode_tokens_per_second": ("histogram", "Decode speed of each generation", (), SPEED_BUCKETS),
+    "tokens_per_forward": ("histogram", "Tokens per target forward of each generation", (), TOKENS_PER_FORWARD_BUCKETS),
+}
+
+
+class Metrics:
+    """`backend`: "prometheus" (its own registry, rendered by `exposition`) or "ray"."""
+
+    def __init__(self, backend: str = "prometheus"):
+        self.backend = backend
+        self._metrics: dict[str, Any] = {}
+        if backend == "prometheus":
+            import prometheus_client
+
+            self.registry = prometheus_client.CollectorRegistry()
+            kinds = {"counter": prometheus_client.Counter, "gauge": prometheus_client.Gauge, "histogram": prometheus_client.Histogram}
+            for name, (kind, doc, labels, buckets) in _METRICS.items():
+                extra = {"buckets": buckets} if buckets else {}
+                # prometheus-client appends "_total" to counters itself.
+                metric_name = PREFIX + (name.removesuffix("_total") if kind == "counter" else name)
+                self._metrics[name] = kinds[kind](metric_name, doc, labels, registry=self.registry, **extra)
+        elif backend == "ray":
+            from ray.serve import metrics as ray_metrics
+
+            kinds = {"counter": ray_metrics.Counter, "gauge": ray_metrics.Gauge, "histogram": ray_metrics.Histogram}
+            for name, (kind, doc, labels, buckets) in _METRICS.items():
+                extra = {"boundaries": list(buckets)} if buckets else {}
+                self._metrics[name] = kinds[kind](PREFIX + name, description=doc, tag_keys=labels, **extra)
+        else:
+            raise ValueError(f"metrics backend must be 'prometheus' or 'ray', got {backend!r}")
+
+    def request(self, endpoint: str, status: int) -> None:
+        self._record("requests_total", "inc", 1, endpoint=endpoint, status=str(status))
+
+    def queue(self, waiting: int, running: int) -> None:
+        self._record("queue_length", "set", waiting)
+        self._record("running_requests", "set", running)
+
+    def finished(self, stats: GenerationStats, latency_s: float, first_token_s: float) -> None:
+        self._record("prompt_tokens_total", "inc", stats.prompt_tokens)
+        self._record("cached_prompt_tokens_total", "inc", stats.cached_prompt_tokens)
+        self._record("generated_tokens_total", "inc", stats.new_tokens)
+        self._record("target_forwards_total", "inc", stats.target_forwards)
+        for drafter, n in stats.drafted_tokens.items():
+            self._record("drafted_tokens_total", "inc", n, drafter=drafter)
+        for drafter, n in stats.accepted_tokens.items():
+            self._record("accepted_tokens_total", "inc", n, drafter=drafter)
+        self._record("request_latency_seconds", "observe", latency_s)
+        self._record("time_to_first_token_seconds", "observe", first_token_s)
+        if stats.decode_tokens_per_s:
+            self._record("decode_tokens_per_second", "observe", stats.decode_tokens_per_s)
+        if stats.target_forwards:
+            self._record("tokens_per_forward", "observe", stats.tokens_per_forward)
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format (the prometheus backend only)."""
+        import prometheus_client
+
+        return prometheus_client.generate_latest(self.registry)
+
+    def _record(self, name: str, method: str, value: float, **tags: str) -> None:
+        if value == 0 and method == "inc":
+            return
+        metric = self._metrics[name]
+        if self.backend == "prometheus":
+            getattr(metric.labels(**tags) if tags else metric, method)(value)
+        else:
+            getattr(metric, method)(value, tags=tags or None)

@@ -1,0 +1,180 @@
+"""From an OpenAI request to a generation and back: what the HTTP layer (`app.py`) calls.
+
+A request is checked and tokenized when it arrives (`chat_job`, `completion_job`: a bad one is
+refused at once, naming its field), then waits for the engine in the bounded queue (`admission.py`)
+and runs there (`run`, `stream`); leaving early, as a client that disconnects does, stops the
+generation at its next step and frees the engine for the next request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...decoding.result import GenerationResult
+from ...engine import SpeculativeEngine
+from ...errors import InvalidArgumentError
+from ...retrieval.corpus import CorpusIndex
+from ..prompt import Prepared, prepare
+from ..tool_calls import call_id_prefix, parse_tool_calls
+from .admission import Admission
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+# Where the model states no position limit, a request that names no max_tokens gets this many.
+FALLBACK_MAX_TOKENS = 1024
+# The request field each engine argument comes from (a chat's prompt is its messages).
+_FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt", "messages": "messages", "documents": "documents",
+           "tools": "tools", "tool_choice": "tool_choice", "response_format": "response_format", "stop": "stop",
+           "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400); `param` names the field at fault, as OpenAI's errors do."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Job:
+    """One request, checked and tokenized, waiting to run."""
+
+    prepared: Prepared
+    chat: bool
+    arrived: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+
+
+@dataclass
+class ToolCallsRead:
+    content: str | None
+    calls: list[dict[str, Any]]
+
+
+class Server:
+    """One engine (and optionally a corpus index) behind an OpenAI-compatible API."""
+
+    def __init__(
+        self, engine: SpeculativeEngine, name: str, index: CorpusIndex | None = None, *,
+        max_queued: int = 16, metrics: Metrics | None = None,
+    ):
+        self.engine, self.name, self.index = engine, name, index
+        self.metrics = metrics or Metrics()
+        self.admission = Admission(max_running=1, max_queued=max_queued, observe=self.metrics.queue)
+
+    # --- requests in ---------------------------------------------------------------------
+
+    def chat_job(self, body: ChatCompletionRequest) -> Job:
+        self._check_model(body.model)
+        messages = _as_param("messages", lambda: [m.template_message() for m in body.messages])
+        chunks = self._retrieve(messages, body.retrieve) if body.retrieve else []
+        prepared = self._prepare(
+            messages, body, chat=True, chunks=chunks, tools=body.tools, tool_choice=body.tool_choice,
+            response_format=body.response_format,
+        )  # fmt: skip
+        return Job(prepared, chat=True)
+
+    def completion_job(self, body: CompletionRequest) -> Job:
+        self._check_model(body.model)
+        return Job(self._prepare(body.prompt, body, chat=False), chat=False)
+
+    def _check_model(self, model: str) -> None:
+        # Only ever compared, never opened: a request cannot make the server load anything.
+        if model != self.name:
+            raise RequestError("model", f"model {model!r} is not served here; this server serves {self.name!r}")
+
+    def _retrieve(self, messages: list[dict], k: int) -> list:
+        """The index's `k` best chunks for the last user turn."""
+        if self.index is None:
+            raise RequestError("retrieve", "this server has no index to retrieve from: start it with --index DIR")
+        users = [m for m in messages if m["role"] == "user"]
+        if not users:
+            raise RequestError("messages", "retrieve needs a user message to retrieve for")
+        return _as_param("messages", self.index.search, users[-1]["content"], k)
+
+    def _prepare(self, prompt: Any, body: ChatCompletionRequest | CompletionRequest, *, chat: bool, **extra: Any) -> Prepared:
+        options = dict(documents=list(body.documents or []), temperature=body.temperature, top_p=body.top_p,
+                       top_k=max(body.top_k, 0), stop=body.stop, seed=body.seed)
+        if body.max_new_tokens is not None:
+            return _as_param(None, prepare, self.engine, prompt, chat=chat, max_new_tokens=body.max_new_tokens, **options, **extra)
+        # No max_tokens: as many as the model's positions leave after the prompt.
+        limit = self.engine.max_positions
+        prepared = _as_param(None, prepare, self.engine, prompt, chat=chat, max_new_tokens=1, **options, **extra)
+        prompt_tokens = len(prepared.request.prompt_ids)
+        if limit is None:
+            max_tokens = FALLBACK_MAX_TOKENS
+        elif limit - prompt_tokens < 1:
+            raise RequestError("messages" if chat else "prompt", f"the prompt is {prompt_tokens} tokens; the model's limit is {limit}")
+        else:
+            max_tokens = limit - prompt_tokens
+        return Prepared(dataclasses.replace(prepared.request, max_new_tokens=max_tokens), prepared.messages, prepared.tools, prepared.sources)
+
+    # --- generations out -----------------------------------------------------------------
+
+    async def run(self, job: Job) -> GenerationResult:
+        """The whole generation, once the engine is free; cancelling the caller stops it."""
+        async with self._slot(job):
+            result = await self.engine.stream_request(job.prepared.request).acollect()
+        self._finished(job, result)
+        return result
+
+    async def stream(self, job: Job) -> AsyncIterator[str | GenerationResult]:
+        """Text deltas as the engine accepts them, then the GenerationResult."""
+        async with self._slot(job):
+            stream = self.engine.stream_request(job.prepared.request)
+            async for delta in stream:
+                yield delta
+        self._finished(job, stream.result)
+        yield stream.result
+
+    @asynccontextmanager
+    async def _slot(self, job: Job) -> AsyncIterator[None]:
+        async with self.admission.slot():
+            job.started = time.perf_counter()
+            yield
+
+    def _finished(self, job: Job, result: GenerationResult) -> None:
+        now = time.perf_counter()
+        self.metrics.finished(result.stats, now - job.arrived, job.started - job.arrived + result.stats.time_to_first_token_s)
+
+    def tool_calls(self, job: Job, text: str) -> ToolCallsRead | None:
+        """The calls an answer makes, in OpenAI's shape (None when the request gave no tools or none
+        was called); a malformed call stays in the content, as text."""
+        if not job.prepared.tools:
+            return None
+        parsed = parse_tool_calls(text)
+        if not parsed.calls:
+            return None
+        prefix = call_id_prefix(job.prepared.messages, text)
+        calls = [
+            {"id": f"{prefix}_{i}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for i, c in enumerate(parsed.calls)
+        ]
+        return ToolCallsRead(parsed.content or None, calls)
+
+
+def _as_param(param: str | None, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`check(*args, **kwargs)`, its InvalidArgumentError as a RequestError naming `param`, or, for
+    `param=None` (a call into the engine), the request field the error's argument comes from."""
+    try:
+        return check(*args, **kwargs)
+    except InvalidArgumentError as error:
+        field_ = param or _FIELDS.get(error.argument or "")
+        if field_ == "prompt" and kwargs.get("chat"):
+            field_ = "messages"
+        raise RequestError(field_, str(error).replace("max_new_tokens", "max_tokens")) from None
+
+
+def finish_reason(result: GenerationResult, calls: ToolCallsRead | None) -> str:
+    """OpenAI's name for why the answer ended."""
+    if calls is not None:
+        return "tool_calls"
+    return "length" if result.finish_reason == "length" else "stop"

@@ -1,0 +1,97 @@
+"""benchmarks/gpu_check.py, the one command for a GPU machine, run end to end on the CPU with --quick."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rag_speculate.models.packaged import get_packaged_model
+
+REPO = Path(__file__).resolve().parents[2]
+TABLES = ("tests.md", "forward_cost.md", "step_overhead.md", "real_weights.md")
+
+
+def smollm_installed() -> bool:
+    try:
+        return all(importlib.metadata.version(name) == version for name, version in get_packaged_model("smollm2-135m-instruct").distributions)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick", "--out", str(out)]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_quick_run_exits_zero_and_writes_every_table(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    for name in TABLES:
+        assert (out / name).read_text().startswith("# "), name
+    results = json.loads((out / "gpu_check.json").read_text())
+    assert results["environment"]["device"] == "cpu" and results["environment"]["dtype"] == "float32"
+    assert {"torch", "transformers", "device_name"} <= set(results["environment"])
+    assert "errors" not in results
+
+
+def test_summary_is_printed_last(quick_run):
+    proc, out = quick_run
+    # Progress goes to stderr: stdout is the summary alone, ending with where the files are.
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("== gpu_check summary")
+    assert lines[-1].startswith("results:") and str(out) in lines[-1]
+    summary = "\n".join(lines)
+    assert "tests: " in summary and " 0 failed" in summary
+    assert "t(64)/t(1) tiny-a" in summary and "t(64)/t(1) tiny-b" in summary
+    assert "step overhead tiny-a" in summary
+
+
+def test_forward_cost_covers_every_size_mode_and_context(quick_run):
+    _, out = quick_run
+    costs = json.loads((out / "gpu_check.json").read_text())["forward_cost"]
+    assert set(costs) == {"tiny-a", "tiny-b"}
+    for by_context in costs.values():
+        assert set(by_context) == {"32", "64"}
+        for modes in by_context.values():
+            for mode in ("chain", "tree"):
+                assert list(modes[mode]) == ["1", "2", "4", "8", "16", "32", "64", "128"]
+                assert all(seconds > 0 for seconds in modes[mode].values())
+
+
+def test_step_overhead_counts_every_step(quick_run):
+    _, out = quick_run
+    for name, row in json.loads((out / "gpu_check.json").read_text())["step_overhead"].items():
+        assert row["steps"] > 0 and row["forward_s"] > 0, name
+        # The forwards are part of decode time: what is left over is the engine's own.
+        assert row["forward_s"] <= row["decode_s"], name
+
+
+@pytest.mark.skipif(not smollm_installed(), reason="the packaged SmolLM2-135M is not installed (bash scripts/setup.sh test installs it)")
+def test_real_weight_outputs_are_identical_to_greedy(quick_run):
+    _, out = quick_run
+    section = json.loads((out / "gpu_check.json").read_text())["real_weights"]
+    assert section["status"] == "ran", section.get("note")
+    assert {"hf-greedy", "hf-pld", "ours-trie"} <= set(section["table"])
+    for method, groups in section["table"].items():
+        if method.startswith("ours"):
+            assert groups["all"]["identical"] == groups["all"]["items"] == 3, method
+            assert groups["all"]["decode_tokens_per_s"] > 0
+    assert "identical" in (out / "real_weights.md").read_text()
+
+
+def test_pytest_counts_read_pytests_last_line(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up there
+    spec.loader.exec_module(gpu_check)
+    stdout = "..F.s\nFAILED tests/test_x.py::test_passed_before - assert 1 passed\n1 failed, 12 passed, 2 skipped, 1 xfailed, 1 error, 3 deselected in 4.2s\n"
+    assert gpu_check.pytest_counts(stdout) == {"passed": 12, "failed": 1, "skipped": 2, "errors": 1, "deselected": 3}
