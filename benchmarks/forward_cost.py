@@ -10,7 +10,7 @@ realistic prefill. Prints a markdown table (ms and ratio to the smallest q).
     python benchmarks/forward_cost.py --model qwen2.5-coder-0.5b-instruct --dtype float32 --int8 --lean --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --context 500
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b-instruct --dtype float32 --fast --tree --context 500
-    python benchmarks/forward_cost.py ... --fast --kernel-variant OLD.c   # another small_linear.c, timed in the same rounds
+    python benchmarks/forward_cost.py ... --fast --kernel-variant OLD.c   # another linear.c, timed in the same rounds
     python benchmarks/forward_cost.py ... --fast --torch-attention   # also with attention left to torch's kernel
 """
 
@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (int8_draft_model, rag_speculate/drafters/ouroboros/int8.py)")
-    parser.add_argument("--fast", action="store_true", help="forwards through the engine's CPU kernels (FastKernels: rag_speculate/cpu/linear.py and, in bf16, cpu/attention.py)")
+    parser.add_argument("--fast", action="store_true", help="forwards through the engine's CPU kernels (FastKernels: rag_speculate/cpu/linear.py and cpu/attention.py), the prefill too")
     parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (rag_speculate/drafters/ouroboros/lean_forward.py)")
     parser.add_argument("--tree", action="store_true",
                         help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (TreeForward, rag_speculate/decoding/forward.py)")
@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
                         help="with --lean: also, in the same rounds, with the head scoring only the N lowest ids and the "
                              "context's (OuroborosDrafter's head_vocabulary)")
     parser.add_argument("--kernel-variant", type=Path, default=None, metavar="FILE",
-                        help="with --fast: also time every q with another version of rag_speculate/cpu/small_linear.c serving the small rows")
+                        help="with --fast: also time every q with another version of rag_speculate/cpu/linear.c serving the linear layers")
     parser.add_argument("--torch-attention", action="store_true",
                         help="with --fast: also time every q with the attention left to torch's kernel (rag_speculate/cpu/attention.py off)")
     args = parser.parse_args()
@@ -76,14 +76,14 @@ def parse_args() -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def small_kernel(library) -> None:
-    """The fast kernels' small rows served by `library` (another build of the kernel, to compare)."""
-    saved = cpu_linear.small_linear_library
-    cpu_linear.small_linear_library = lambda dtype=None: (library, "")
+def variant_kernel(library) -> None:
+    """The fast kernels' linear layers served by `library` (another build of the kernel, to compare)."""
+    saved = cpu_linear.linear_library
+    cpu_linear.linear_library = lambda dtype=None: (library, "")
     try:
         yield
     finally:
-        cpu_linear.small_linear_library = saved
+        cpu_linear.linear_library = saved
 
 
 def load(model_name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -96,12 +96,12 @@ def load(model_name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedMo
 @contextlib.contextmanager
 def torch_attention() -> None:
     """The fast kernels' mode with the attention left to torch's kernel (the linear kernels only)."""
-    saved = fast_kernels.small_attention
-    fast_kernels.small_attention = lambda *args, **kwargs: None
+    saved = fast_kernels.attention
+    fast_kernels.attention = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        fast_kernels.small_attention = saved
+        fast_kernels.attention = saved
 
 
 @contextlib.contextmanager
@@ -165,17 +165,17 @@ def main() -> None:
     for _ in range(args.prefills):
         cache = DynamicCache(config=model.config)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), FastKernels() if args.fast else contextlib.nullcontext():
             model(input_ids=prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
-        print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        print(f"prefill of {args.context} tokens: {time.perf_counter() - start:.2f} s", file=sys.stderr)
 
     inputs = {q: torch.randint(0, vocab, (1, q), device=device) for q in args.sizes}
     kernels = {"": contextlib.nullcontext}
     if args.kernel_variant:
-        library, reason = cpu_linear.build_small_linear(args.kernel_variant, DTYPES[args.dtype])
+        library, reason = cpu_linear.build_linear(args.kernel_variant, DTYPES[args.dtype], torch.backends.cpu.get_cpu_capability())
         if library is None:
             sys.exit(f"--kernel-variant: {reason}")
-        kernels["variant"], variant = (lambda: small_kernel(library)), args.kernel_variant.name
+        kernels["variant"], variant = (lambda: variant_kernel(library)), args.kernel_variant.name
     if args.torch_attention:
         kernels["variant"], variant = torch_attention, "torch's attention"
     if args.head_vocabulary:

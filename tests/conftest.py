@@ -59,12 +59,12 @@ LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
 def failing_compiler(monkeypatch, tmp_path):
     """Kernel builds with a compiler that always fails, into an empty cache (`tmp_path`); the kernels
     already loaded are forgotten for the test and after it."""
-    from rag_speculate.cpu.attention import small_attention_library
-    from rag_speculate.cpu.linear import small_linear_library
+    from rag_speculate.cpu.attention import attention_library
+    from rag_speculate.cpu.linear import linear_library
 
     monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    loaders = (small_linear_library, small_attention_library)
+    loaders = (linear_library, attention_library)
     for loader in loaders:
         loader.cache_clear()
     yield tmp_path

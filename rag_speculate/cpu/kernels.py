@@ -1,9 +1,17 @@
-"""The CPU kernels the engine runs its forwards with: `FastKernels`, a torch function mode.
+"""The CPU kernels a model's forwards run with: `FastKernels`, a torch function mode.
 
 A mode reaches the linear layers and the attention of an unmodified transformers model, and only
 inside the forwards it wraps (the engine's, or a benchmark's baseline given the same kernels); the
 model and its weights are untouched. It costs every torch call of those forwards a Python
 dispatch, so only the forwards of models it serves run inside it.
+
+The invariant these kernels keep, in fp32 and bf16: a row's result never depends on the other rows
+of its forward. A linear layer computes each row of its output by the same operations whether it
+is alone (one decoding step), among a draft tree's rows, or among a prefill's hundreds; attention
+computes each query row over the entries it sees, and adds exactly nothing for those it does not.
+So a token gets the same logits wherever the prompt cache cut its prompt and whatever was
+verified beside it, and a request's answer does not depend on what came before it
+(`tests/cpu/test_invariance.py` checks it row by row; torch's own kernels do not keep it).
 """
 
 from __future__ import annotations
@@ -11,13 +19,13 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .attention import small_attention
+from .attention import attention
 from .linear import linear_kernel_for
 
 
 class FastKernels(TorchFunctionMode):
-    """Within this context, on CPU: `F.linear` over 1-64 rows of fp32 (1-48 of bf16) runs
-    linear.py's kernels, and bf16 attention over 1-48 query rows runs attention.py's."""
+    """Within this context, on CPU: `F.linear` and `F.scaled_dot_product_attention` over fp32 or
+    bf16 run this layer's kernels wherever they serve the arguments."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -28,7 +36,7 @@ class FastKernels(TorchFunctionMode):
             if kernel is not None:
                 return kernel(x, weight, bias)
         elif func is F.scaled_dot_product_attention:
-            out = small_attention(*args, **kwargs)
+            out = attention(*args, **kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)

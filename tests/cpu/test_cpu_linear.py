@@ -1,4 +1,4 @@
-"""Faster CPU kernels for the linear layers of decoding and verification: same products within rounding."""
+"""The CPU linear kernel: torch's products within rounding, each row as if alone, for any number of rows."""
 
 from __future__ import annotations
 
@@ -12,41 +12,38 @@ from rag_speculate.cpu import attention as cpu_attention
 from rag_speculate.cpu import kernels as fast_kernels
 from rag_speculate.cpu import linear as cpu_linear
 from rag_speculate.cpu.kernels import FastKernels
-from rag_speculate.cpu.linear import fast_linear_works, small_linear_library
+from rag_speculate.cpu.linear import fast_linear_works, linear_library
 from rag_speculate.decoding.budget import CostModel
 
-needs_small_kernel = pytest.mark.skipif(
-    small_linear_library()[0] is None, reason=f"small-row kernel unavailable: {small_linear_library()[1]}"
-)
+needs_kernel = pytest.mark.skipif(linear_library()[0] is None, reason=f"linear kernel unavailable: {linear_library()[1]}")
 needs_bf16_kernel = pytest.mark.skipif(
-    small_linear_library(torch.bfloat16)[0] is None, reason=f"bf16 kernel unavailable: {small_linear_library(torch.bfloat16)[1]}"
+    linear_library(torch.bfloat16)[0] is None, reason=f"bf16 kernel unavailable: {linear_library(torch.bfloat16)[1]}"
 )
 
 
-def _count_kernels(monkeypatch) -> dict[str, int]:
-    """Count the rows each kernel serves (the real kernels still run)."""
-    served = {"small": 0, "onednn": 0}
-    for name, attr in (("small", "_small_linear"), ("onednn", "_onednn_linear")):
-        kernel = getattr(cpu_linear, attr)
+def _count_rows(monkeypatch) -> dict[str, int]:
+    """Count the rows the kernel serves (the real kernel still runs)."""
+    served = {"kernel": 0}
+    kernel = cpu_linear._linear
 
-        def counted(x, weight, bias, kernel=kernel, name=name):
-            served[name] += x.numel() // x.shape[-1]
-            return kernel(x, weight, bias)
+    def counted(x, weight, bias):
+        served["kernel"] += x.numel() // x.shape[-1]
+        return kernel(x, weight, bias)
 
-        monkeypatch.setattr(cpu_linear, attr, counted)
+    monkeypatch.setattr(cpu_linear, "_linear", counted)
     return served
 
 
-@needs_small_kernel
+@needs_kernel
 @pytest.mark.parametrize("features", [32, 19])  # a multiple of the kernel's 8 or 16 lanes, and a remainder
-def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features):
-    served = _count_kernels(monkeypatch)
+def test_products_agree_for_any_number_of_rows(monkeypatch, features):
+    served = _count_rows(monkeypatch)
     torch.manual_seed(0)
     weight, bias = torch.randn(41, features), torch.randn(41)  # an odd number of outputs too
-    for rows, kernel in ((1, "small"), (2, "small"), (7, "small"), (48, "small"), (49, "onednn"), (64, "onednn"), (65, None), (300, None)):
+    for rows in (1, 2, 7, 48, 49, 64, 65, 300):
         x = torch.randn(1, rows, features)
         want, want_no_bias = F.linear(x, weight, bias), F.linear(x, weight)
-        before = dict(served)
+        before = served["kernel"]
         with FastKernels():
             got = F.linear(x, weight, bias)
             no_bias = F.linear(x, weight)
@@ -55,10 +52,7 @@ def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(no_bias, want_no_bias, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(strided, want, rtol=1e-5, atol=1e-5)
-        changed = {name for name in served if served[name] != before[name]}
-        assert changed == ({kernel} if kernel else set()), rows
-        if kernel is None:
-            assert torch.equal(got, want)  # prefills: torch's own kernel, bit for bit
+        assert served["kernel"] - before == 3 * rows  # prefills too: every row through the kernel
     x = torch.randn(4, features, dtype=torch.float16)
     want = F.linear(x, weight.half())
     with FastKernels():
@@ -67,14 +61,13 @@ def test_products_agree_and_each_row_count_gets_its_kernel(monkeypatch, features
 
 @needs_bf16_kernel
 @pytest.mark.parametrize("features", [64, 19])  # a multiple of the kernel's 32 bf16 lanes, and a remainder
-def test_bf16_products_round_as_torchs_and_prefills_keep_torchs_kernel(monkeypatch, features):
-    served = _count_kernels(monkeypatch)
+def test_bf16_products_are_rounded_once(monkeypatch, features):
+    served = _count_rows(monkeypatch)
     torch.manual_seed(0)
     weight, bias = torch.randn(41, features, dtype=torch.bfloat16), torch.randn(41, dtype=torch.bfloat16)
-    for rows, kernel in ((1, "small"), (5, "small"), (48, "small"), (49, None), (200, None)):
+    for rows in (1, 5, 48, 49, 200):
         x = torch.randn(rows, features, dtype=torch.bfloat16)
         exact = F.linear(x.float(), weight.float(), bias.float())
-        before = dict(served)
         with FastKernels():
             got, no_bias = F.linear(x, weight, bias), F.linear(x, weight)
         assert got.dtype == torch.bfloat16
@@ -82,14 +75,10 @@ def test_bf16_products_round_as_torchs_and_prefills_keep_torchs_kernel(monkeypat
         assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
         exact = F.linear(x.float(), weight.float())
         assert ((no_bias.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
-        changed = {name for name in served if served[name] != before[name]}
-        assert changed == ({kernel} if kernel else set()), rows
-        if kernel is None:
-            assert torch.equal(got, F.linear(x, weight, bias))
+    assert served["kernel"] == 2 * (1 + 5 + 48 + 49 + 200)
 
 
-
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_small_kernel), pytest.param(torch.bfloat16, marks=needs_bf16_kernel)])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_kernel), pytest.param(torch.bfloat16, marks=needs_bf16_kernel)])
 @pytest.mark.parametrize("shape", [(41, 19), (48, 32), (9, 53)])  # outputs and inputs off and on the tiles and lanes
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape, dtype):
     # Verification feeds a token among up to 48 others; its logits must be the ones it gets alone,
@@ -102,32 +91,17 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape, dtype):
         for start, rows in ((0, 1), (0, 2), (0, 5), (3, 4), (7, 17), (23, 1)):
             assert torch.equal(F.linear(x[start : start + rows], weight, bias), together[start : start + rows]), (start, rows)
 
-def test_without_the_small_kernel_onednn_serves_from_two_rows(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "small_linear_library", lambda dtype=torch.float32: (None, "no compiler"))
-    served = _count_kernels(monkeypatch)
-    weight = torch.randn(40, 24)
-    for rows in (1, 2, 16):
-        x = torch.randn(rows, 24)
-        with FastKernels():
-            got = F.linear(x, weight)
-        if rows == 1:
-            assert torch.equal(got, F.linear(x, weight))
-        else:
-            torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
-    assert served == {"small": 0, "onednn": 18}
-
-
 def test_a_kernel_that_cannot_build_says_why(failing_compiler):
-    library, reason = small_linear_library()
+    library, reason = linear_library()
     assert library is None
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert "building the small-row kernel with /bin/false failed" in reason
-        assert small_linear_library(torch.float16) == (None, "the small-row kernel is for fp32 and bf16, not torch.float16")
+        assert "building the linear kernel with /bin/false failed" in reason
+        assert linear_library(torch.float16) == (None, "the linear kernel is for fp32 and bf16, not torch.float16")
     assert not list(failing_compiler.glob("kernels/*"))  # nothing half-built left behind
 
 
 def _served_by_engine(engine: SpeculativeEngine, ids: list[int], reference: list[int], monkeypatch) -> dict[str, int]:
-    served = _count_kernels(monkeypatch)
+    served = _count_rows(monkeypatch)
     engine.cost_model = CostModel({1: 1.0, 65: 1.0}, learn=False)  # drafting always pays: multi-token forwards
     result = engine.generate(ids, documents=[reference], max_new_tokens=len(reference))
     assert result.token_ids == reference
@@ -144,9 +118,9 @@ def test_engine_runs_fast_kernels_only_when_enabled_and_stays_lossless(arch, tok
     default = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
     assert default.fast_kernels  # fp32 on CPU: on by default
     served = _served_by_engine(default, ids, reference, monkeypatch)
-    assert served["small" if small_linear_library()[0] is not None else "onednn"] > 0
+    assert served["kernel"] > 0
     stock = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), fast_kernels=False)
-    assert _served_by_engine(stock, ids, reference, monkeypatch) == {"small": 0, "onednn": 0}
+    assert _served_by_engine(stock, ids, reference, monkeypatch) == {"kernel": 0}
 
 
 @needs_bf16_kernel
@@ -159,16 +133,16 @@ def test_bf16_engine_runs_the_kernels_by_default_and_matches_generate_through_th
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
     assert engine.fast_kernels and engine.tree_attention
     attention_rows: list[int] = []
-    if cpu_attention.small_attention_library()[0] is not None:
+    if cpu_attention.attention_library(torch.bfloat16)[0] is not None:
         def counted(query, *args, **kwargs):
-            out = cpu_attention.small_attention(query, *args, **kwargs)
+            out = cpu_attention.attention(query, *args, **kwargs)
             if out is not None:
                 attention_rows.append(query.shape[2])
             return out
 
-        monkeypatch.setattr(fast_kernels, "small_attention", counted)
-    assert _served_by_engine(engine, ids, reference, monkeypatch)["small"] > 0
-    if cpu_attention.small_attention_library()[0] is not None:
+        monkeypatch.setattr(fast_kernels, "attention", counted)
+    assert _served_by_engine(engine, ids, reference, monkeypatch)["kernel"] > 0
+    if cpu_attention.attention_library(torch.bfloat16)[0] is not None:
         assert max(attention_rows) > 1  # trees verified through the attention kernel too
 
 

@@ -1,0 +1,190 @@
+/* Attention of query rows over a key/value cache, each row computed as if it were alone: fp32, or
+ * bf16 (-DATTENTION_BF16: widened to fp32, one rounding at the end); AVX-512F or AVX2 + FMA; OpenMP
+ * over query heads x rows.
+ *
+ * The invariant: a query row's result is the same sequence of operations over the entries it sees,
+ * whatever rows are beside it and whatever entries it does not see. Scores are dot products summed
+ * chunk after chunk of the head's dims; probabilities are computed entry by entry (an entry's does
+ * not depend on where it sits); their sum and the weighted sum of values accumulate entry after
+ * entry in order. An entry a row does not see (masked, or after it under a causal mask) gets
+ * probability exactly 0, which changes no sum. So a prefill, a draft tree's verification and one
+ * decoding step give a token the same bits.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXP_FLOOR -87.0f /* below, exp underflows fp32's normal range: the probability is 0 */
+#define MASKED -1e30f    /* an additive mask at or below this hides the entry */
+
+#ifdef __AVX512F__
+#define LANES 16
+typedef __m512 vec;
+typedef __mmask16 vmask;
+#define vzero() _mm512_setzero_ps()
+#define vset1(x) _mm512_set1_ps(x)
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vfmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vfnmadd(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define vreduce(v) _mm512_reduce_add_ps(v)
+#define vround(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vwiden(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* p * 2^n for integral n, and lanes of x below the floor set to 0. */
+#define vscale(p, n) _mm512_scalef_ps(p, n)
+#define vabove(x, floor) _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ)
+#define vkeep(m, v) _mm512_maskz_mov_ps(m, v)
+#else
+#define LANES 8
+typedef __m256 vec;
+typedef __m256 vmask;
+#define vzero() _mm256_setzero_ps()
+#define vset1(x) _mm256_set1_ps(x)
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vfmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vfnmadd(a, b, c) _mm256_fnmadd_ps(a, b, c)
+static inline float vreduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+#define vround(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vwiden(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+static inline __m256 vscale(__m256 p, __m256 n) { /* n in [-126, 0]: 2^n built in the exponent bits */
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#define vabove(x, floor) _mm256_cmp_ps(x, floor, _CMP_GE_OQ)
+#define vkeep(m, v) _mm256_and_ps(m, v)
+#endif
+
+#ifdef ATTENTION_BF16
+typedef uint16_t elem;
+#define load(p) vwiden(p)
+static inline uint16_t store_elem(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFF + ((u >> 16) & 1); /* nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+#else
+typedef float elem;
+#define load(p) vload(p)
+#define store_elem(f) (f)
+#endif
+
+/* exp(x) for x <= 0, lane by lane (Cephes' expf polynomial); 0 below EXP_FLOOR. */
+static inline vec exp_ps(vec x) {
+    const vmask live = vabove(x, vset1(EXP_FLOOR));
+    x = vmax(x, vset1(EXP_FLOOR));
+    const vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vec r = vfnmadd(n, vset1(0.693359375f), x);
+    r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfmadd(p, r, vset1(1.3981999507e-3f));
+    p = vfmadd(p, r, vset1(8.3334519073e-3f));
+    p = vfmadd(p, r, vset1(4.1665795894e-2f));
+    p = vfmadd(p, r, vset1(1.6666665459e-1f));
+    p = vfmadd(p, r, vset1(5.0000001201e-1f));
+    p = vfmadd(p, vmul(r, r), vadd(r, vset1(1.0f)));
+    return vkeep(live, vscale(p, n));
+}
+
+/* Query vectors of one block: (query head, row) pairs of one key/value head. */
+#define BLOCK 4
+/* Chunks of the value vectors summed per pass over the entries (BLOCK x PASS accumulators). */
+#define PASS 4
+
+/* q: [heads, rows, dims]; k, v: [kv_heads, length, dims] with heads `*_head_stride` elements apart;
+ * mask: [rows, length] added to the scaled scores (MASKED or below: not seen), or NULL; causal >= 0:
+ * row r sees only entries up to causal + r; out: [heads, rows, dims]. Query head h reads key/value
+ * head h / (heads / kv_heads). dims: a multiple of LANES.
+ *
+ * A block shares each load of a key or value chunk between up to BLOCK query vectors of the same
+ * key/value head, and stops at the last entry any of them sees; every vector's own sums run in the
+ * same order whatever its block holds. */
+void attention(const elem *q, const elem *k, const elem *v, const float *mask, elem *out, int64_t heads, int64_t kv_heads,
+               int64_t rows, int64_t length, int64_t dims, int64_t k_head_stride, int64_t v_head_stride, float scale,
+               int64_t causal, int threads) {
+    const int64_t group = heads / kv_heads, chunks = dims / LANES, padded = (length + LANES - 1) / LANES * LANES;
+    const int64_t vectors = group * rows, blocks = (vectors + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = malloc(sizeof(float) * BLOCK * padded);
+        float *query = malloc(sizeof(float) * BLOCK * dims);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < kv_heads * blocks; task++) {
+            const int64_t g = task / blocks, first = task % blocks * BLOCK;
+            const int64_t n = vectors - first < BLOCK ? vectors - first : BLOCK;
+            const elem *keys = k + g * k_head_stride, *values = v + g * v_head_stride;
+            /* Vector b is query head g * group + (first + b) / rows, row (first + b) % rows: both
+             * index [heads, rows] as one run, starting at head g * group. */
+            const int64_t base = g * group * rows + first;
+            int64_t seen[BLOCK], end = 0; /* entries [0, seen[b]) may be seen by vector b */
+            for (int64_t b = 0; b < n; b++) {
+                const int64_t row = (first + b) % rows;
+                seen[b] = causal >= 0 && causal + row + 1 < length ? causal + row + 1 : length;
+                end = seen[b] > end ? seen[b] : end;
+                for (int64_t c = 0; c < chunks; c++) vstore(query + b * dims + LANES * c, load(q + (base + b) * dims + LANES * c));
+            }
+            float top[BLOCK], total[BLOCK];
+            for (int64_t b = 0; b < n; b++) top[b] = -INFINITY, total[b] = 0.0f;
+            for (int64_t j = 0; j < end; j++) {
+                vec dot[BLOCK];
+                for (int64_t b = 0; b < n; b++) dot[b] = vzero();
+                for (int64_t c = 0; c < chunks; c++) {
+                    const vec key = load(keys + j * dims + LANES * c);
+                    for (int64_t b = 0; b < n; b++) dot[b] = vfmadd(vload(query + b * dims + LANES * c), key, dot[b]);
+                }
+                for (int64_t b = 0; b < n; b++) {
+                    float s = vreduce(dot[b]) * scale;
+                    const float bias = mask ? mask[(first + b) % rows * length + j] : 0.0f;
+                    if (j >= seen[b] || bias <= MASKED) s = -INFINITY;
+                    else s += bias;
+                    p[b * padded + j] = s;
+                    top[b] = s > top[b] ? s : top[b];
+                }
+            }
+            for (int64_t b = 0; b < n; b++) {
+                float *row = p + b * padded;
+                const int64_t stop = (end + LANES - 1) / LANES * LANES;
+                for (int64_t j = end; j < stop; j++) row[j] = -INFINITY;
+                const vec shift = vset1(top[b]);
+                for (int64_t j = 0; j < stop; j += LANES) vstore(row + j, exp_ps(vsub(vload(row + j), shift)));
+                for (int64_t j = 0; j < end; j++) total[b] += row[j];
+            }
+            /* Entries not seen have probability 0, and adding 0 x value changes no sum. */
+            for (int64_t c0 = 0; c0 < chunks; c0 += PASS) {
+                const int64_t width = chunks - c0 < PASS ? chunks - c0 : PASS;
+                vec acc[BLOCK][PASS];
+                for (int64_t b = 0; b < n; b++)
+                    for (int64_t c = 0; c < width; c++) acc[b][c] = vzero();
+                for (int64_t j = 0; j < end; j++)
+                    for (int64_t c = 0; c < width; c++) {
+                        const vec value = load(values + j * dims + LANES * (c0 + c));
+                        for (int64_t b = 0; b < n; b++) acc[b][c] = vfmadd(vset1(p[b * padded + j]), value, acc[b][c]);
+                    }
+                for (int64_t b = 0; b < n; b++)
+                    for (int64_t c = 0; c < width; c++) {
+                        float lanes[LANES];
+                        vstore(lanes, vmul(acc[b][c], vset1(1.0f / total[b])));
+                        for (int l = 0; l < LANES; l++) out[(base + b) * dims + LANES * (c0 + c) + l] = store_elem(lanes[l]);
+                    }
+            }
+        }
+        free(query);
+        free(p);
+    }
+}

@@ -1,0 +1,76 @@
+"""The kernels' invariant, checked directly: a row computed alone equals the same row computed among
+others, bit for bit, for the linear and the attention kernel, fp32 and bf16, on every instruction
+set this CPU can build them for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_speculate.cpu.attention import build_attention, run_attention
+from rag_speculate.cpu.linear import build_linear, run_linear
+
+# AVX2 builds wherever AVX-512 does; AVX-512 only where torch found it.
+ISAS = ["AVX2", "AVX512"]
+DTYPES = [torch.float32, torch.bfloat16]
+# Rows beside the one checked: alone, among 1, 5, 48 and 300 others.
+BESIDE = [0, 1, 5, 48, 300]
+
+
+def _built(build, dtype: torch.dtype, isa: str):
+    if isa == "AVX512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip(f"this CPU has no AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})")
+    library, reason = build(dtype, isa)
+    if library is None:
+        pytest.skip(reason)
+    return library
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1536, 256), (37, 67)])  # weight rows and features on and off the tiles and lanes
+def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
+    from rag_speculate.cpu.linear import _SOURCE
+
+    library = _built(lambda d, i: build_linear(_SOURCE, d, i), dtype, isa)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(*shape, generator=generator).to(dtype)
+    bias = torch.randn(shape[0], generator=generator).to(dtype)
+    x = torch.randn(max(BESIDE) + 1, shape[1], generator=generator).to(dtype)
+    alone = run_linear(library, x[:1], weight, bias)
+    for others in BESIDE[1:]:
+        together = run_linear(library, x[: others + 1], weight, bias)
+        assert torch.equal(together[:1], alone), others
+        # ... and wherever it sits among them.
+        assert torch.equal(run_linear(library, x[others : others + 1], weight, bias), together[others:]), others
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_attention_row_is_the_same_among_any_other_rows_and_any_masked_entries(dtype, isa):
+    library = _built(build_attention, dtype, isa)
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dims, past = 6, 2, 64, 20
+    rows = max(BESIDE) + 1
+    q = torch.randn(1, heads, rows, dims, generator=generator).to(dtype)
+    k, v = (torch.randn(1, kv_heads, past + rows, dims, generator=generator).to(dtype) for _ in range(2))
+
+    def run(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return run_attention(library, q_rows, keys, values, mask, False, dims**-0.5)
+
+    # The last row, alone after everything before it (as decoding computes it)...
+    alone = run(q[:, :, -1:], k, v, None)
+    for others in BESIDE[1:]:
+        # ... and as the last of `others + 1` rows verified together, each seeing the past and the rows before it.
+        start = rows - others - 1
+        keep = torch.ones(others + 1, past + rows, dtype=torch.bool)
+        keep[:, past + start :] = torch.ones(others + 1, others + 1, dtype=torch.bool).tril()
+        keep = keep[:, : past + rows]
+        together = run(q[:, :, start:], k, v, keep[None, None])
+        assert torch.equal(together[:, :, -1:], alone), others
+    # A draft tree's row sees its ancestors only: the siblings masked between them add nothing.
+    keep = torch.ones(1, past + rows, dtype=torch.bool)
+    keep[0, past : past + rows - 1 : 2] = False
+    seen = keep[0].nonzero()[:, 0]
+    assert torch.equal(run(q[:, :, -1:], k, v, keep[None, None]), run(q[:, :, -1:], k[:, :, seen], v[:, :, seen], None))
+
