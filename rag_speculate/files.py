@@ -14,15 +14,17 @@ What is read back is checked before it is used: JSON against a schema of its fie
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,49 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     recover(path)
+
+
+def not_ours(folder: Path, what: str, manifest: str, kind: str, names: Collection[str]) -> str | None:
+    """Why the existing `folder` must not be replaced by a `what` we write, or None when it may: it is
+    not a folder, its `manifest` does not say `kind` in the "format" field only we write, or it
+    holds files a `what` never has. An empty folder holds nothing to lose."""
+    if not folder.is_dir():
+        return "is not a folder"
+    found = set(os.listdir(folder))
+    if not found:
+        return None
+    try:
+        written = load_json((folder / manifest).read_bytes())
+    except (OSError, ValueError):
+        written = None
+    if not isinstance(written, dict) or written.get("format") != kind:
+        return f"exists and is not a {what}"
+    foreign = sorted(found - set(names))
+    if foreign:
+        return f"holds files a {what} does not ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+    return None
+
+
+def untrusted(path: Path) -> str | None:
+    """Why another user could have changed what is at `path`, or None: it is owned by someone other
+    than this user or root, or anyone may write it."""
+    if os.name != "posix":
+        return None
+    info = path.lstat()
+    if info.st_uid not in (os.getuid(), 0):
+        return f"is owned by another user (uid {info.st_uid})"
+    if info.st_mode & stat.S_IWOTH and not stat.S_ISLNK(info.st_mode):
+        return "is writable by every user"
+    return None
+
+
+def os_reason(error: OSError) -> str:
+    """An OSError in a few words, with its errno's name: "No space left on device (ENOSPC)". numpy's
+    short writes carry no errno; a full disk is what leaves one."""
+    if error.errno is None:
+        return f"{error} (a short write: the disk is probably full)"
+    name = errno.errorcode.get(error.errno, str(error.errno))
+    return f"{error.strerror} ({name})" + (f": {error.filename}" if error.filename else "")
 
 
 def replace_dir(staging: Path, path: Path) -> None:

@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..drafters.rest import Datastore, DatastoreError
 from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import fsync_dir, recover, replace_dir, sibling, write_new_file
+from ..files import fsync_dir, os_reason, recover, replace_dir, sibling, write_new_file
 from . import index_format as fmt
 from .chunking import ChunkingOptions, chunk_document
 from .documents import Chunk, Document, read_corpus
@@ -110,10 +110,14 @@ class CorpusIndex:
         if isinstance(documents, (str, bytes)) or not documents:
             raise InvalidArgumentError("documents must be a non-empty list of Document")
         out = Path(out)
+        recover(out)
+        # Only a folder an index build wrote is ever replaced: anything else may be the user's.
+        foreign = fmt.not_an_index(out) if out.exists() else None
+        if foreign:
+            raise CorpusIndexError(f"{out} {foreign}; refusing to replace it (choose another --out)")
         embedder = embedder if isinstance(embedder, Embedder) else load_embedder(embedder)
         say = log or (lambda _message: None)
         build_key = fmt.build_key(documents, tokenizer, embedder, options)
-        recover(out)
         if (out / MANIFEST).is_file():
             try:
                 existing = cls.load(out, tokenizer=tokenizer, embedder=embedder)
@@ -122,18 +126,19 @@ class CorpusIndex:
                     return existing
             except RagSpeculateError as problem:
                 say(f"rebuilding {out}: {problem}")
-        elif out.exists() and any(out.iterdir()):
-            raise CorpusIndexError(f"{out} exists and is not a corpus index; refusing to replace it (choose another --out)")
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = sibling(out, "tmp")
-        staging.mkdir()
         try:
-            cls._write(staging, documents, tokenizer, embedder, options, build_key, progress, say)
-            replace_dir(staging, out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = sibling(out, "tmp")
+            staging.mkdir()
+            try:
+                cls._write(staging, documents, tokenizer, embedder, options, build_key, progress, say)
+                replace_dir(staging, out)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        except OSError as error:  # a full disk, a path through a file, no permission: the old index stays
+            raise CorpusIndexError(f"cannot write the corpus index {out}: {os_reason(error)}") from None
         return cls.load(out, tokenizer=tokenizer, embedder=embedder)
 
     @staticmethod
@@ -202,6 +207,7 @@ class CorpusIndex:
         """
         path = Path(path)
         recover(path)
+        fmt.check_trusted(path)
         manifest = fmt.read_manifest(path)
         if tokenizer is not None:
             fmt.check_tokenizer(path, manifest, tokenizer)

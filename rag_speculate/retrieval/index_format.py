@@ -21,7 +21,19 @@ from transformers import PreTrainedTokenizerBase
 
 from ..drafters.rest import Datastore
 from ..errors import CorpusIndexError, InvalidArgumentError
-from ..files import SHA256, FieldError, fields, integer, load_json, of_type, sha256_file, text, write_new_file
+from ..files import (
+    SHA256,
+    FieldError,
+    fields,
+    integer,
+    load_json,
+    not_ours,
+    of_type,
+    sha256_file,
+    text,
+    untrusted,
+    write_new_file,
+)
 from ..fingerprint import tokenizer_fingerprint
 from .chunking import ChunkingOptions
 from .documents import Document
@@ -144,6 +156,26 @@ def read_manifest(path: Path) -> dict[str, Any]:
     except (FieldError, InvalidArgumentError) as error:
         raise damaged(path, f"{MANIFEST} {error}") from None
     return manifest
+
+
+def not_an_index(path: Path) -> str | None:
+    """Why the existing `path` is not a folder an index build wrote (and must not be replaced), or None."""
+    return not_ours(path, "corpus index", MANIFEST, _FORMAT, (MANIFEST, DATASTORE, *CHECKED_FILES))
+
+
+def check_trusted(path: Path) -> None:
+    """Refuse an index that another user could have changed: the folder or anything in it owned by
+    another user (root aside) or writable by every user, as the CPU kernels' folder is refused. The
+    files' checksums are checked once on loading, while the arrays are read as they are used."""
+    if not path.is_dir():
+        return  # read_manifest says what is missing
+    for entry in [path, *sorted(path.rglob("*"))]:
+        problem = untrusted(entry)
+        if problem:
+            raise CorpusIndexError(
+                f"corpus index {path}: {entry} {problem}, so another user could have changed it; "
+                f"make it yours and writable only by you (chown, chmod o-w) or rebuild it"
+            )
 
 
 def check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: PreTrainedTokenizerBase, model: str | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -166,6 +167,7 @@ def test_missing_corrupt_or_newer_header_is_detected(store_dir):
     (store_dir / "datastore.json").write_text("{not json")
     with pytest.raises(DatastoreError, match="datastore.json is corrupt.*rebuild"):
         Datastore.load(store_dir)
+    (store_dir / "datastore.json").unlink()  # a header that says nothing is not ours to replace
     small_store()[0].save(store_dir)
     header = json.loads((store_dir / "datastore.json").read_text())
     (store_dir / "datastore.json").write_text(json.dumps({**header, "format_version": 99}))
@@ -202,6 +204,22 @@ def test_refuses_to_replace_a_folder_that_is_not_a_datastore(store_dir):
     store_dir.mkdir()
     (store_dir / "notes.txt").write_text("mine")
     with pytest.raises(DatastoreError, match="not a datastore; refusing"):
+        small_store()[0].save(store_dir)
+    assert (store_dir / "notes.txt").read_text() == "mine"
+
+
+def test_refuses_to_replace_a_folder_whose_header_is_not_a_datastores(store_dir):
+    """Only the "format" field we write makes a folder ours: a datastore.json of something else does not."""
+    store_dir.mkdir()
+    (store_dir / "datastore.json").write_text('{"name": "app"}')
+    (store_dir / "notes.txt").write_text("mine")
+    with pytest.raises(DatastoreError, match="not a datastore; refusing"):
+        small_store()[0].save(store_dir)
+    assert (store_dir / "notes.txt").read_text() == "mine"
+    shutil.rmtree(store_dir)
+    small_store()[0].save(store_dir)
+    (store_dir / "notes.txt").write_text("mine")  # in a datastore of ours, it is still not ours to delete
+    with pytest.raises(DatastoreError, match=r"holds files a datastore does not \(notes.txt\); refusing"):
         small_store()[0].save(store_dir)
     assert (store_dir / "notes.txt").read_text() == "mine"
 

@@ -83,6 +83,24 @@ def test_bad_input_is_named_and_fails_the_command(index, tmp_path, capsys, argv,
     assert message in capsys.readouterr().err
 
 
+def test_index_never_replaces_a_folder_it_did_not_write(corpus, tmp_path, capsys):
+    """A project folder that happens to hold a manifest.json, and a file, named by --out: refused in
+    one line naming them, and left as they were."""
+    project = tmp_path / "p"
+    (project / "src").mkdir(parents=True)
+    (project / "manifest.json").write_text('{"name": "app"}')
+    (project / "src" / "important.txt").write_text("work")
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for out, problem in ((project, "exists and is not a corpus index; refusing"), (file, "is not a folder; refusing")):
+        with pytest.warns(RuntimeWarning, match="skipped 1"):
+            assert main(["index", str(corpus), "--out", str(out), *COMMON]) == 1
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert error == f"rag-speculate index: {out} {problem} to replace it (choose another --out)"
+    assert (project / "src" / "important.txt").read_text() == "work" and (project / "manifest.json").exists()
+    assert file.read_text() == "mine"
+
+
 def test_demo_indexes_the_shipped_corpus_and_answers_identically(tmp_path, capsys):
     argv = ["demo", "--index-dir", str(tmp_path / "nq"), "--max-new-tokens", "24", *COMMON]
     assert main(argv) == 0

@@ -187,6 +187,67 @@ def test_the_embedding_name_is_never_opened_as_a_path(index, tmp_path, embedder,
     assert CorpusIndex.load(index, embedder=embedder).search("capital of france", 1)[0].title == "title 1"
 
 
+# --- what a build may replace, and what it says when it cannot write ---------------------------
+
+
+def test_only_a_folder_an_index_build_wrote_is_replaced(tmp_path, index, tokenizer, embedder):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "manifest.json").write_text('{"name": "app"}')  # a manifest, but not one of ours
+    (project / "src" / "important.txt").write_text("work")
+    (index / "notes.txt").write_text("mine")  # an index of ours, holding a file of the user's
+    documents = [Document("one short document")]
+    for out, problem in ((project, "exists and is not a corpus index"), (index, r"holds files a corpus index does not \(notes.txt\)")):
+        with pytest.raises(CorpusIndexError, match=f"{re.escape(str(out))} {problem}; refusing to replace it"):
+            CorpusIndex.build(documents, out, tokenizer=tokenizer, embedder=embedder, options=OPTIONS)
+    assert (project / "src" / "important.txt").read_text() == "work" and (index / "notes.txt").read_text() == "mine"
+    (index / "notes.txt").unlink()
+    assert CorpusIndex.build(documents, index, tokenizer=tokenizer, embedder=embedder, options=OPTIONS).manifest["documents"] == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 64 KiB tmpfs, where this process may mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small filesystem with")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_message_and_the_old_index_survives(small_disk, tokenizer, embedder):
+    out = small_disk / "index"
+    CorpusIndex.build([Document(text) for text in TEXTS], out, tokenizer=tokenizer, embedder=embedder, options=OPTIONS)
+    larger = [Document(f"{text} ({i})") for i in range(40) for text in TEXTS]
+    with pytest.raises(CorpusIndexError, match=f"cannot write the corpus index {re.escape(str(out))}: .*(ENOSPC|disk is probably full)"):
+        CorpusIndex.build(larger, out, tokenizer=tokenizer, embedder=embedder, options=OPTIONS)
+    assert CorpusIndex.load(out, tokenizer=tokenizer, embedder=embedder).manifest["documents"] == len(TEXTS)
+    assert os.listdir(small_disk) == ["index"]  # the failed build's staging is gone
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file ownership and modes are POSIX's")
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda ix: ix.chmod(0o777), "index is writable by every user"),
+        (lambda ix: (ix / "datastore" / "tokens.npy").chmod(0o666), "tokens.npy is writable by every user"),
+        (lambda ix: os.chown(ix / "vectors.faiss", 4242, -1), r"vectors.faiss is owned by another user \(uid 4242\)"),
+    ],
+    ids=["world-writable folder", "world-writable file", "foreign file"],
+)
+def test_an_index_others_could_have_changed_is_refused(index, change, problem):
+    try:
+        change(index)
+    except PermissionError:
+        pytest.skip("only root may give a file to another user")
+    with pytest.raises(CorpusIndexError, match=f"corpus index {re.escape(str(index))}: .*{problem}, so another user could have changed it"):
+        CorpusIndex.load(index)
+
+
 # --- the index's files against each other, checksums updated to match ----------------------
 
 

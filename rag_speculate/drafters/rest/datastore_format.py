@@ -27,6 +27,7 @@ from ...files import (
     integer,
     list_of,
     load_json,
+    not_ours,
     optional,
     recover,
     replace_dir,
@@ -65,8 +66,10 @@ class DatastoreError(RagSpeculateError):
 
 def check_replaceable(path: Path) -> None:
     """Refuse to overwrite a folder that is not a datastore: it may hold anything of the user's."""
-    if path.exists() and not (path / HEADER).is_file():
-        raise DatastoreError(f"{path} exists and is not a datastore; refusing to replace it (choose another path)")
+    names = (HEADER, *(f"{name}.npy" for name in ARRAYS))
+    foreign = not_ours(path, "datastore", HEADER, _FORMAT, names) if path.exists() else None
+    if foreign:
+        raise DatastoreError(f"{path} {foreign}; refusing to replace it (choose another path)")
 
 
 def write_folder(path: Path, arrays: dict[str, np.ndarray], fields: dict[str, Any]) -> None:
