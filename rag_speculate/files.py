@@ -265,6 +265,37 @@ def load_json(data: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+# A JSON token for `nesting`: a string, a bracket, or a run of anything else (numbers, commas, colons, blanks).
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]|[^"\[\]{}]+')
+
+
+def too_deep(data: str | bytes, limit: int) -> list[str | int] | None:
+    """Where JSON `data` first nests more than `limit` arrays and objects deep: the keys and indexes
+    that lead there, or None if it never does. A scan rather than a parse, so it is safe where
+    parsing would recurse past Python's limit; nothing but the nesting is checked."""
+    data = data.encode() if isinstance(data, str) else data
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return None
+    path: list[str | int | None] = []
+    for match in _JSON_TOKEN.finditer(data):
+        token = match.group()
+        first = token[:1]
+        if first == b'"':
+            if path and path[-1] is None:  # an object's key
+                path[-1] = token[1:-1].decode(errors="replace")
+        elif first in (b"[", b"{"):
+            path.append(0 if first == b"[" else None)
+            if len(path) > limit:
+                return path
+        elif first in (b"]", b"}"):
+            if not path:
+                return None
+            path.pop()
+        elif path and b"," in token:
+            path[-1] = path[-1] + token.count(b",") if isinstance(path[-1], int) else None
+    return None
+
+
 class FieldError(Exception):
     """A field read back is missing or has the wrong type or value; the message names the field."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ..files import cache_dir
 from ..models.loading import load_tokenizer
 from ..retrieval.corpus import ChunkingOptions, CorpusIndex, read_corpus
 from .engines import rag_engine
+from .openai.config import BODY_TIMEOUT_S, SEND_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 from .prompt import Prepared, prepare
 
 # What `--help` opens with: the commands, for a user.
@@ -71,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queued", type=int, default=16, help="requests that may wait for the engine; more get 503")
+    serve.add_argument("--api-key", default=os.environ.get("RAG_SPECULATE_API_KEY"),
+                       help="require Authorization: Bearer KEY on every endpoint but /health (default: $RAG_SPECULATE_API_KEY)")
+    serve.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S,
+                       help="seconds a streamed answer's client may take nothing before it is cut off (default: %(default)s)")
+    serve.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                       help="seconds a request body may take to arrive before a 408 (default: %(default)s)")
+    serve.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                       help="on SIGTERM or SIGINT, seconds the running generation gets to finish before it is stopped (default: %(default)s)")
     serve.add_argument("--ray", action="store_true", help="run replicas on Ray Serve (a local Ray, or the cluster RAY_ADDRESS names)")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: engines, each a replica of its own")
     serve.add_argument("--cpus-per-replica", type=float, default=1.0, help="with --ray: the CPUs Ray reserves for each replica")
@@ -199,7 +209,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-        served_name=args.served_model_name, max_queued=args.max_queued,
+        served_name=args.served_model_name, max_queued=args.max_queued, api_key=args.api_key or None,
+        send_timeout_s=args.send_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
     )
     if args.ray:
         from .openai import ray_serve
@@ -207,15 +218,13 @@ def run_serve(args: argparse.Namespace) -> int:
         _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s)")
         ray_serve.run(config, args.replicas, args.host, args.port, args.cpus_per_replica, args.gpus_per_replica)
         return 0
-    import uvicorn
-
     from .openai import Server, load
-    from .openai.app import create_app
+    from .openai.standalone import serve
 
     engine, index = load(config)
     server = Server(engine, config.name, index, max_queued=config.max_queued)
     _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1")
-    uvicorn.run(create_app(server, max_body_bytes=config.max_body_bytes), host=args.host, port=args.port)
+    serve(server, config, args.host, args.port)
     return 0
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..files import too_deep
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FENCED = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
@@ -128,11 +129,18 @@ def _calls(bodies: Sequence[str], rest: str, text: str) -> ParsedToolCalls:
     return ParsedToolCalls(calls, rest)
 
 
+# The deepest JSON a request may nest: parsing it, chat templates and transformers' message conversion
+# all recurse once (or more) per level, and Python's recursion limit is shared with their callers.
+MAX_NESTING = 64
+
+
 def template_tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
     """A call an assistant turn made, in the shape chat templates render: {"id", "type": "function",
     "function": {"name", "arguments": {...}}}. OpenAI's API carries the arguments as a JSON string,
     which a template would print quoted: they are read back into an object here."""
     if isinstance(arguments, str):
+        if too_deep(arguments, MAX_NESTING):
+            raise InvalidArgumentError(f"{where} ({name!r}) has arguments nested more than {MAX_NESTING} levels deep")
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:

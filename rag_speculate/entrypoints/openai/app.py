@@ -5,38 +5,41 @@
 Responses are built from the `openai` package's pydantic types, so their schema is OpenAI's, plus
 two extension fields: `acceleration` (what speculation did: the engine's GenerationStats) and, when
 the request asked the server to retrieve, `sources` (the chunks the answer was given). Errors have
-OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 naming the field at fault, 413
-for a body over the size limit, 503 with Retry-After when the queue is full.
+OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 naming the field at fault, 401
+without the API key the server was started with, 408 for a body that arrives too slowly, 413 for a
+body over the size limit, 503 with Retry-After when the queue is full or the server shuts down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...decoding.result import GenerationResult
+from ...files import too_deep
 from ...retrieval.documents import Chunk
-from ..tool_calls import HeldText
-from .admission import QueueFull
-from .config import MAX_BODY_BYTES
+from ..tool_calls import MAX_NESTING, HeldText
+from .admission import Unavailable
+from .config import BODY_TIMEOUT_S, MAX_BODY_BYTES, SEND_TIMEOUT_S
 from .protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest, UnsupportedField
 from .server import Job, RequestError, Server, finish_reason
 
@@ -45,13 +48,22 @@ RETRY_AFTER_S = 1
 # The status a request whose client disconnected is counted under (nginx's); nobody reads it.
 CLIENT_GONE = 499
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+# What answers without the API key: a load balancer's or orchestrator's liveness probe.
+OPEN_PATHS = ("/health",)
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-def create_app(server: Server, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="rag-speculate", summary="OpenAI-compatible API with lossless speculative decoding")
-    app.add_middleware(_Guard, max_body_bytes=max_body_bytes, server=server)
+def create_app(
+    server: Server, *, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
+    send_timeout_s: float = SEND_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:  # fmt: skip
+    """The API over `server`. With `api_key`, every endpoint but /health asks for it as a bearer
+    token. A streamed answer whose client takes nothing for `send_timeout_s` is cut off; a body
+    that has not arrived whole within `body_timeout_s` gets a 408. No /docs: it would be open."""
+    app = FastAPI(title="rag-speculate", summary="OpenAI-compatible API with lossless speculative decoding",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard, server=server, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s)
     _error_handlers(app)
 
     @app.get("/health")
@@ -71,23 +83,29 @@ def create_app(server: Server, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastA
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, server, body, await asyncio.to_thread(server.chat_job, body))
+        return await _respond(request, server, body, send_timeout_s)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, server, body, await asyncio.to_thread(server.completion_job, body))
+        return await _respond(request, server, body, send_timeout_s)
 
     return app
 
 
-async def _respond(request: Request, server: Server, body: ChatCompletionRequest | CompletionRequest, job: Job) -> Response:
-    """The whole answer once generated, or (with `stream`) its chunks as server-sent events."""
+async def _respond(request: Request, server: Server, body: ChatCompletionRequest | CompletionRequest, send_timeout_s: float) -> Response:
+    """The whole answer once generated, or (with `stream`) its chunks as server-sent events. The
+    request holds its place in the queue before any work is done for it, and a streamed one its turn
+    on the engine before any byte is sent, so a full queue is a 503 for streams too."""
+    job = await server.admit(body)
+    try:
+        await _unless_disconnected(request, server.start(job))
+    except BaseException:
+        job.ticket.release()
+        raise
     reply = _Reply(server, body, job)
     if body.stream:
-        server.admission.check()  # a full queue is a 503 before the stream begins
-        return EventSourceResponse(_events(reply.chunks(server.stream(job))))
-    result = await _unless_disconnected(request, server.run(job))
-    return JSONResponse(reply.whole(result)) if result else Response(status_code=CLIENT_GONE)
+        return _EventStream(_events(reply.chunks(server.stream(job))), send_timeout_s, on_end=job.ticket.release)
+    return JSONResponse(reply.whole(await _unless_disconnected(request, server.run(job))))
 
 
 class _Reply:
@@ -122,32 +140,34 @@ class _Reply:
     async def chat_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
         yield _plain(self._chat_chunk(ChoiceDelta(role="assistant", content="")))
         held = HeldText() if self.job.prepared.tools else None
-        async for item in deltas:
-            if isinstance(item, str):
-                text = held.feed(item) if held else item
-                if text:
-                    yield _plain(self._chat_chunk(ChoiceDelta(content=text)))
-                continue
-            calls = self.server.tool_calls(self.job, item.text)
-            if held is not None:
-                rest = held.finish(item.text if calls is None else calls.content or "")
-                if rest:
-                    yield _plain(self._chat_chunk(ChoiceDelta(content=rest)))
-            if calls is not None:
-                tool_deltas = [{"index": i, **call} for i, call in enumerate(calls.calls)]
-                yield _plain(self._chat_chunk(ChoiceDelta(tool_calls=tool_deltas)))
-            yield self._extended(self._chat_chunk(ChoiceDelta(), finish_reason(item, calls)), item)
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield self._usage_chunk(ChatCompletionChunk, "chat.completion.chunk", item)
+        async with contextlib.aclosing(deltas):
+            async for item in deltas:
+                if isinstance(item, str):
+                    text = held.feed(item) if held else item
+                    if text:
+                        yield _plain(self._chat_chunk(ChoiceDelta(content=text)))
+                    continue
+                calls = self.server.tool_calls(self.job, item.text)
+                if held is not None:
+                    rest = held.finish(item.text if calls is None else calls.content or "")
+                    if rest:
+                        yield _plain(self._chat_chunk(ChoiceDelta(content=rest)))
+                if calls is not None:
+                    tool_deltas = [{"index": i, **call} for i, call in enumerate(calls.calls)]
+                    yield _plain(self._chat_chunk(ChoiceDelta(tool_calls=tool_deltas)))
+                yield self._extended(self._chat_chunk(ChoiceDelta(), finish_reason(item, calls)), item)
+                if self.body.stream_options and self.body.stream_options.include_usage:
+                    yield self._usage_chunk(ChatCompletionChunk, "chat.completion.chunk", item)
 
     async def completion_chunks(self, deltas: AsyncIterator) -> AsyncIterator[dict]:
-        async for item in deltas:
-            if isinstance(item, str):
-                yield _plain(self._completion_chunk(item, None))
-                continue
-            yield self._extended(self._completion_chunk("", finish_reason(item, None)), item)
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield self._usage_chunk(Completion, "text_completion", item)
+        async with contextlib.aclosing(deltas):
+            async for item in deltas:
+                if isinstance(item, str):
+                    yield _plain(self._completion_chunk(item, None))
+                    continue
+                yield self._extended(self._completion_chunk("", finish_reason(item, None)), item)
+                if self.body.stream_options and self.body.stream_options.include_usage:
+                    yield self._usage_chunk(Completion, "text_completion", item)
 
     def _chat_chunk(self, delta: ChoiceDelta, finish: str | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created, model=self.model,
@@ -181,22 +201,59 @@ def _source(chunk: Chunk) -> dict:
 
 
 async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Server-sent events of one streamed answer, ending with OpenAI's `[DONE]`. A client that goes
-    away cancels this generator, which stops the generation (sse-starlette watches the connection)."""
-    try:
-        async for chunk in chunks:
-            yield json.dumps(chunk, ensure_ascii=False)
-    except Exception as error:  # noqa: BLE001 - the response has begun: it can only be told in the stream
-        status = 503 if isinstance(error, QueueFull) else 400 if isinstance(error, RequestError) else 500
-        if status == 500:
+    """Server-sent events of one streamed answer, ending with OpenAI's `[DONE]`; closing them closes
+    `chunks`, which stops the generation."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield _event(json.dumps(chunk, ensure_ascii=False))
+        except Exception as error:  # noqa: BLE001 - the response has begun: it can only be told in the stream
             logger.exception("generation failed mid-stream")
-        yield json.dumps(_error_body(str(error), getattr(error, "param", None), status))
-    yield "[DONE]"
+            yield _event(json.dumps(_error_body(str(error), None, 500)))
+    yield _event("[DONE]")
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if the client disconnects first: then `work` is cancelled, which
-    stops its generation."""
+def _event(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+class _SlowClient(Exception):
+    """A send waited longer than the send timeout: the client is not reading."""
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events, each sent within `send_timeout_s` or the client is cut off: one that reads
+    nothing cannot hold the engine. However the response ends (its last event sent, the client cut
+    off or gone, or never started), its events are closed, which stops the generation, and `on_end`
+    is called, which gives the engine to the next request."""
+
+    def __init__(self, events: AsyncIterator[str], send_timeout_s: float, on_end: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        self.send_timeout_s, self.on_end = send_timeout_s, on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            with anyio.move_on_after(self.send_timeout_s) as waited:
+                await send(message)
+            if waited.cancelled_caught:
+                raise _SlowClient
+
+        try:
+            await super().__call__(scope, receive, timed)
+        except _SlowClient:
+            logger.warning("a client read nothing of its stream for %s s: it was cut off", self.send_timeout_s)
+        finally:
+            await self.body_iterator.aclose()
+            self.on_end()
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (which stops its
+    generation, or takes it out of the queue) and _ClientGone raised."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -209,7 +266,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
         return task.result()
     with contextlib.suppress(asyncio.CancelledError):  # let it leave the queue, or stop its generation
         await task
-    return None
+    raise _ClientGone
 
 
 async def _disconnected(request: Request) -> None:
@@ -220,8 +277,8 @@ async def _disconnected(request: Request) -> None:
 
 # --- errors --------------------------------------------------------------------------------------
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 503: "server_overloaded", 500: "server_error"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          408: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded", 500: "server_error"}
 
 
 def _error_body(message: str, param: str | None, status: int, code: str | None = None) -> dict:
@@ -261,9 +318,13 @@ def _error_handlers(app: FastAPI) -> None:
     async def refused(_: Request, exc: RequestError) -> JSONResponse:
         return _error(str(exc), exc.param, 400)
 
-    @app.exception_handler(QueueFull)
-    async def overloaded(_: Request, exc: QueueFull) -> JSONResponse:
-        return _error(f"the server is busy ({exc}); retry later", None, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    @app.exception_handler(Unavailable)
+    async def overloaded(_: Request, exc: Unavailable) -> JSONResponse:
+        return _error(f"{exc}; retry later", None, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(_ClientGone)
+    async def gone(_: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -271,11 +332,14 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """ASGI middleware: refuses a body over the size limit before anything parses it, and counts
-    every answer in the metrics by endpoint and status."""
+    """ASGI middleware, before anything parses a request: refuses one without the API key (401), a
+    body that arrives too slowly (408), one over the size limit (413) and one nested too deep for
+    the parser and the chat templates (400, naming the field); counts every answer in the metrics
+    by endpoint and status."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, server: Server):
-        self.app, self.limit, self.server = app, max_body_bytes, server
+    def __init__(self, app: ASGIApp, server: Server, max_body_bytes: int, api_key: str | None, body_timeout_s: float):
+        self.app, self.server, self.limit, self.body_timeout_s = app, server, max_body_bytes, body_timeout_s
+        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -289,11 +353,17 @@ class _Guard:
             await send(message)
 
         try:
-            body = await self._body(scope, receive)
-            if body is None:
-                status = 413
-                response = _error(f"the request body is over the {self.limit}-byte limit", None, 413, "request_too_large")
-                return await response(scope, receive, send)
+            refusal = self._unauthorized(scope)
+            if refusal is None:
+                try:
+                    async with asyncio.timeout(self.body_timeout_s):
+                        body = await self._body(scope, receive)
+                except TimeoutError:
+                    refusal = _error(f"the request body did not arrive within {self.body_timeout_s} s", None, 408, "request_timeout")
+                else:
+                    refusal = await self._refused(body)
+            if refusal is not None:
+                return await refusal(scope, receive, counted)
             replayed = False
 
             async def replay() -> Message:
@@ -307,6 +377,29 @@ class _Guard:
         finally:
             path = scope["path"]
             self.server.metrics.request(path if path in ENDPOINTS else "other", status)
+
+    def _unauthorized(self, scope: Scope) -> Response | None:
+        if self.authorization is None or scope["path"] in OPEN_PATHS:
+            return None
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.authorization):  # in constant time: no guessing it byte by byte
+            return None
+        response = _error("a valid API key is required: send it as Authorization: Bearer KEY", None, 401, "invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    async def _refused(self, body: bytes | None) -> Response | None:
+        if body is None:
+            return _error(f"the request body is over the {self.limit}-byte limit", None, 413, "request_too_large")
+        path = await asyncio.to_thread(too_deep, body, MAX_NESTING)
+        if path is None:
+            return None
+        # The field as OpenAI names it ("messages.0.tool_calls"): the path up to its last request field.
+        end = next((i for i, part in enumerate(path) if isinstance(part, str) and part not in FIELD_NAMES), len(path))
+        while end and isinstance(path[end - 1], int):
+            end -= 1
+        field = ".".join(map(str, path[:end])) or None
+        return _error(f"{field or 'the body'} is nested more than {MAX_NESTING} levels deep", field, 400)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None once it is over the limit."""

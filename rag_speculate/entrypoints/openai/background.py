@@ -18,13 +18,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def running(app: Any, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 30.0) -> Iterator[str]:
-    """Serve the ASGI `app` under uvicorn until the block ends; yields the API's base URL (".../v1")."""
+def running(
+    app: Any, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 30.0, sock: socket.socket | None = None
+) -> Iterator[str]:
+    """Serve the ASGI `app` under uvicorn until the block ends; yields the API's base URL (".../v1").
+    `sock`: a listening socket to serve on instead of host:port, whose options (a send buffer's
+    size, say) its connections inherit."""
     import uvicorn
 
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
     port = port or free_port(host)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="rag-speculate-server", daemon=True)
+    sockets = None if sock is None else [sock]
+    thread = threading.Thread(target=server.run, args=(sockets,), name="rag-speculate-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     while not server.started:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...engine import SpeculativeEngine
@@ -11,6 +11,12 @@ from ..engines import rag_engine, shared_engine
 
 # A request body larger than this is refused before it is parsed.
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# A streamed answer whose client takes nothing for this long is cut off, freeing the engine.
+SEND_TIMEOUT_S = 30.0
+# A request body that has not arrived whole this long after its headers is refused (408).
+BODY_TIMEOUT_S = 60.0
+# On SIGTERM or SIGINT, how long the running generations get to finish before they are stopped.
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -19,7 +25,9 @@ class ServerConfig:
     `served_name`, by default the model's name); `index`: a folder from `rag-speculate index`,
     opened read-only, for retrieval and for the REST drafter (`embedding_model`: the folder of the
     model that embedded it, when it was built from one); `max_queued`: requests waiting for the
-    engine beyond the one it runs, after which the server answers 503."""
+    engine beyond the one it runs, after which the server answers 503; `api_key`: what clients must
+    send as `Authorization: Bearer KEY` (None: no key); the timeouts: `app.create_app`'s and, on
+    SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish."""
 
     model: str
     index: Path | None = None
@@ -30,10 +38,19 @@ class ServerConfig:
     served_name: str | None = None
     max_queued: int = 16
     max_body_bytes: int = MAX_BODY_BYTES
+    api_key: str | None = field(default=None, repr=False)
+    send_timeout_s: float = SEND_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
 
     @property
     def name(self) -> str:
         return self.served_name or Path(self.model).name
+
+    def app_options(self) -> dict:
+        """What `app.create_app` takes from the configuration."""
+        return {"max_body_bytes": self.max_body_bytes, "api_key": self.api_key, "send_timeout_s": self.send_timeout_s,
+                "body_timeout_s": self.body_timeout_s}
 
 
 def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:

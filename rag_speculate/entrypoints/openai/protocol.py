@@ -5,7 +5,9 @@ Every field of OpenAI's API is known here. Those the engine honours are read (`t
 are refused with a 400 naming them unless they hold their neutral value (`n=1`, `logprobs=false`,
 ...), so a client that sends defaults explicitly still works and one that asks for more is told so;
 informational fields (`user`, `metadata`, ...) are accepted and ignored. A field OpenAI does not
-know is refused, as OpenAI's own API does.
+know is refused, as OpenAI's own API does, and so is a value of another JSON type than the field's
+(strict mode: `"10"`, `true` or `2.0` for `max_tokens`, `1` for `stream`), as OpenAI's API is strict
+about them; an integer is a number, as in JSON.
 
 The extensions: `documents`, texts the drafters copy from (the retrieved passages, when the client
 retrieves), and `retrieve`, how many chunks to fetch from the server's index for the last user turn.
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ...engine.inputs import MAX_DOCUMENT_CHARS
 from ..tool_calls import template_tool_call
 
 # Chat messages whose "developer" role (OpenAI's newer name for system) chat templates do not know.
@@ -27,14 +30,14 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
     # Messages echoed back from an earlier response carry fields such as "refusal" or "annotations".
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -65,14 +68,14 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """What chat and text completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
@@ -115,6 +118,11 @@ class _Common(BaseModel):
     def _documents(cls, documents: list[str] | None) -> list[str] | None:
         if documents is not None and len(documents) > 256:
             raise ValueError("at most 256 documents")
+        # Checked before anything is tokenized: the engine's bound on one document's characters bounds
+        # them all together here, so the work of one request stays that of one long document.
+        chars = sum(map(len, documents or ()))
+        if chars > MAX_DOCUMENT_CHARS:
+            raise ValueError(f"the documents hold {chars} characters, over this server's limit of {MAX_DOCUMENT_CHARS} in all")
         return documents
 
     @model_validator(mode="after")

@@ -41,7 +41,7 @@ class ServerReplica:
         self.config = config
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.server, max_body_bytes=self.config.max_body_bytes)
+        return create_app(self.server, **self.config.app_options())
 
 
 def application(config: ServerConfig, replicas: int = 1, cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0) -> serve.Application:

@@ -1,28 +1,31 @@
 """From an OpenAI request to a generation and back: what the HTTP layer (`app.py`) calls.
 
-A request is checked and tokenized when it arrives (`chat_job`, `completion_job`: a bad one is
-refused at once, naming its field), then waits for the engine in the bounded queue (`admission.py`)
+A request takes its place in the bounded queue (`admission.py`) as it arrives, then is checked and
+tokenized (`admit`: a bad one is refused at once, naming its field), waits for the engine (`start`)
 and runs there (`run`, `stream`); leaving early, as a client that disconnects does, stops the
-generation at its next step and frees the engine for the next request.
+generation at its next step and frees the engine for the next request. `shut_down` refuses new
+and waiting requests and stops the running ones after a grace period.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...decoding.result import GenerationResult
+from ...decoding.result import GenerationResult, GenerationStream
 from ...engine import SpeculativeEngine
 from ...errors import InvalidArgumentError
 from ...retrieval.corpus import CorpusIndex
 from ..prompt import Prepared, prepare
 from ..tool_calls import call_id_prefix, parse_tool_calls
-from .admission import Admission
+from .admission import Admission, Ticket, Unavailable
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -32,6 +35,9 @@ FALLBACK_MAX_TOKENS = 1024
 _FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt", "messages": "messages", "documents": "documents",
            "tools": "tools", "tool_choice": "tool_choice", "response_format": "response_format", "stop": "stop",
            "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+# OpenAI's finish_reason has no value for an answer the server stopped as it shut down: this one says so.
+SHUTDOWN = "shutdown"
+logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -48,6 +54,7 @@ class Job:
 
     prepared: Prepared
     chat: bool
+    ticket: Ticket | None = None  # its place in the queue
     arrived: float = field(default_factory=time.perf_counter)
     started: float = 0.0
 
@@ -68,8 +75,23 @@ class Server:
         self.engine, self.name, self.index = engine, name, index
         self.metrics = metrics or Metrics()
         self.admission = Admission(max_running=1, max_queued=max_queued, observe=self.metrics.queue)
+        self._generations: set[GenerationStream] = set()
+        self._stopped = False
 
     # --- requests in ---------------------------------------------------------------------
+
+    async def admit(self, body: ChatCompletionRequest | CompletionRequest) -> Job:
+        """The request's place in the queue (Unavailable at once if there is none, before any work),
+        then the request checked and tokenized off the event loop (RequestError naming the field)."""
+        ticket = self.admission.enter()
+        try:
+            make = self.chat_job if isinstance(body, ChatCompletionRequest) else self.completion_job
+            job = await asyncio.to_thread(make, body)
+        except BaseException:
+            ticket.release()
+            raise
+        job.ticket = ticket
+        return job
 
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         self._check_model(body.model)
@@ -118,27 +140,55 @@ class Server:
 
     # --- generations out -----------------------------------------------------------------
 
+    async def start(self, job: Job) -> None:
+        """Wait for the engine (Unavailable if the server shuts down first); from here the job holds it
+        until `run` or `stream` ends, or its ticket is released."""
+        await job.ticket.start()
+        job.started = time.perf_counter()
+
     async def run(self, job: Job) -> GenerationResult:
-        """The whole generation, once the engine is free; cancelling the caller stops it."""
-        async with self._slot(job):
-            result = await self.engine.stream_request(job.prepared.request).acollect()
+        """The whole generation of a started job; cancelling the caller stops it."""
+        with self._generation(job) as stream:
+            result = await stream.acollect()
+        if result.finish_reason == "cancelled":  # only `shut_down` stops a generation someone still reads
+            raise Unavailable("the server is shutting down: the answer was stopped before its end")
         self._finished(job, result)
         return result
 
     async def stream(self, job: Job) -> AsyncIterator[str | GenerationResult]:
-        """Text deltas as the engine accepts them, then the GenerationResult."""
-        async with self._slot(job):
-            stream = self.engine.stream_request(job.prepared.request)
+        """Text deltas of a started job as the engine accepts them, then the GenerationResult (its
+        finish_reason "cancelled" where the server stopped it to shut down)."""
+        with self._generation(job) as stream:
             async for delta in stream:
                 yield delta
         self._finished(job, stream.result)
         yield stream.result
 
-    @asynccontextmanager
-    async def _slot(self, job: Job) -> AsyncIterator[None]:
-        async with self.admission.slot():
-            job.started = time.perf_counter()
-            yield
+    @contextmanager
+    def _generation(self, job: Job) -> Iterator[GenerationStream]:
+        """The job's generation, stopped by `shut_down` at its deadline; as the block ends it is stopped
+        if the reader left early, and the engine goes to the next request."""
+        with ExitStack() as cleanup:
+            cleanup.callback(job.ticket.release)
+            stream = self.engine.stream_request(job.prepared.request)
+            cleanup.callback(stream.close)
+            self._generations.add(stream)
+            cleanup.callback(self._generations.discard, stream)
+            if self._stopped:
+                stream.close()
+            yield stream
+
+    def shut_down(self, timeout_s: float) -> None:
+        """Refuse new and waiting requests from now on; stop the running generations after `timeout_s`
+        unless they end first. Called on the event loop."""
+        logger.warning("shutting down: refusing new requests; running ones get %s s to finish", timeout_s)
+        self.admission.close()
+        asyncio.get_running_loop().call_later(timeout_s, self._stop)
+
+    def _stop(self) -> None:
+        self._stopped = True
+        for stream in list(self._generations):
+            stream.close()
 
     def _finished(self, job: Job, result: GenerationResult) -> None:
         now = time.perf_counter()
@@ -177,4 +227,4 @@ def finish_reason(result: GenerationResult, calls: ToolCallsRead | None) -> str:
     """OpenAI's name for why the answer ended."""
     if calls is not None:
         return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"
+    return {"length": "length", "cancelled": SHUTDOWN}.get(result.finish_reason, "stop")
