@@ -93,9 +93,10 @@ def test_models_and_errors_through_the_proxy(ray_url):
 
 
 def test_disconnects_free_the_replicas(ray_url):
-    """Fill both replicas with long streams (one generating, one waiting on each), then disconnect
-    every client: a short request is answered long before any of those generations could have run to
-    its end, so Ray's cancellation reached each engine's step loop. (Past the replicas, Ray's router
+    """Fill both replicas with long streams (one generating, one waiting on each, which gets its first
+    byte only once it runs), then disconnect every client: a short request is answered long before any
+    of those generations could have run to its end, so Ray's cancellation reached each engine's step
+    loop. (Past the replicas, Ray's router
     queues up to max_queued_requests and answers 503; how it counts its queue while routing varies
     from run to run, so the standalone server's queue test is where a 503 is asserted.)"""
     import threading
@@ -119,13 +120,13 @@ def test_disconnects_free_the_replicas(ray_url):
     for client in clients:
         client.start()
     deadline = time.monotonic() + 60
-    while len(statuses) < len(clients):
+    while len(statuses) < len(clients) // REPLICA_ONGOING:  # each replica's generating stream
         assert time.monotonic() < deadline, f"statuses so far: {statuses}"
         time.sleep(0.1)
-    assert statuses == [200] * len(clients)
-    leave.set()
+    leave.set()  # the waiting streams leave as soon as they start
     for client in clients:
         client.join(timeout=120)
+    assert statuses == [200] * len(clients)
 
     engine = shared_engine(MODEL, dtype="float32", device="cpu", draft_budget=None)
     short = openai.OpenAI(base_url=ray_url, api_key="unused", max_retries=0, timeout=30)
