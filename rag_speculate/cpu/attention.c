@@ -136,6 +136,9 @@ void attention(const elem *q, const elem *k, const elem *v, const float *mask, e
             for (int64_t b = 0; b < n; b++) {
                 const int64_t row = (first + b) % rows;
                 seen[b] = causal >= 0 && causal + row + 1 < length ? causal + row + 1 : length;
+                /* Past the last entry its mask shows, a row sees nothing: neither computed nor summed. */
+                if (mask)
+                    while (seen[b] > 1 && mask[row * length + seen[b] - 1] <= MASKED) seen[b]--;
                 end = seen[b] > end ? seen[b] : end;
                 for (int64_t c = 0; c < chunks; c++) vstore(query + b * dims + LANES * c, load(q + (base + b) * dims + LANES * c));
             }

@@ -24,7 +24,7 @@ _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 @contextlib.contextmanager
-def _shared_kv_heads(device: torch.device):
+def shared_kv_heads(device: torch.device):
     """On CPU, let transformers' SDPA attention read a tree's keys and values once per group of heads.
 
     Given a mask, transformers copies every layer's cached keys and values once per query head
@@ -43,7 +43,6 @@ def _shared_kv_heads(device: torch.device):
         os.environ.pop(_FORCE_GQA, None)
 
 
-
 class TreeForward:
     """Prefill and draft-tree forwards of one model on its KV cache, returning logits."""
 
@@ -55,8 +54,9 @@ class TreeForward:
         forward: Callable[..., torch.Tensor] | None = None,
     ):
         """`context`: what every forward runs inside (the CPU kernels' mode, where the engine uses
-        them: it hands the context in, so nothing here loads the kernel layer). `forward` runs in place of the model's own (given the same arguments, the KV cache as
-        `cache`, it returns the logits): a draft model's lean forward. The target always runs its own."""
+        them: it hands the context in, so nothing here loads the kernel layer). `forward` runs in
+        place of the model's own (given the same arguments, the KV cache as `cache`, it returns the
+        logits): a draft model's lean forward. The target always runs its own."""
         self.model = model
         self.context = context
         self._forward = forward
@@ -83,7 +83,7 @@ class TreeForward:
         """
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        with _shared_kv_heads(self.device):
+        with shared_kv_heads(self.device):
             logits = self._logits(
                 cache,
                 input_ids=ids,

@@ -20,11 +20,17 @@ class GenerationStats:
     new_tokens: int = 0
     # Prefill included: plain decoding needs exactly `new_tokens` of them.
     target_forwards: int = 0
-    # Tokens fed to each decode forward (the draft nodes verified + 1) -> how many forwards: on a
-    # CPU a forward's cost grows with them, so this with the cost curve explains decode_s.
+    # Tokens this generation fed to each decode forward (the draft nodes verified + 1) -> how many
+    # forwards: on a CPU a forward's cost grows with them, so this with the cost curve explains decode_s.
     forward_sizes: Counter = field(default_factory=Counter)
+    # Generations each of its decode forwards verified together -> how many, and the tokens the
+    # whole forward fed (every row's, padding included) -> how many.
+    batch_sizes: Counter = field(default_factory=Counter)
+    step_tokens: Counter = field(default_factory=Counter)
     drafted_tokens: Counter = field(default_factory=Counter)
     accepted_tokens: Counter = field(default_factory=Counter)
+    # Seconds it waited for room before it started, and from its request to its first token.
+    queue_s: float = 0.0
     time_to_first_token_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -47,6 +53,8 @@ class GenerationStats:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["forward_sizes"] = dict(self.forward_sizes)
+        out["batch_sizes"] = dict(self.batch_sizes)
+        out["step_tokens"] = dict(self.step_tokens)
         out["drafted_tokens"] = dict(self.drafted_tokens)
         out["accepted_tokens"] = dict(self.accepted_tokens)
         out["tokens_per_forward"] = self.tokens_per_forward

@@ -1,7 +1,8 @@
-"""Verifying a draft tree with ONE forward of an unmodified Hugging Face model, losslessly.
+"""Which of a verified draft the target accepts, losslessly.
 
-The forward (forward.py) feeds [root, *draft] in tree or chain mode; the cache then keeps only the
-accepted path's KV entries (gathered in place, never recomputed).
+One forward of the unmodified model (forward.py for one sequence, batch.py for several) gives the
+logits of [root, *draft]; the cache then keeps only the accepted path's KV entries (gathered in
+place, never recomputed).
 
 Acceptance walks down from the root: at each node the target picks a token (argmax, or a sample
 of its warped distribution); if a child carries that token we descend, otherwise that token is
@@ -13,10 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from .forward import TreeForward
-from .kv_cache import keep_cache_entries
 from .sampling import SamplingParams, sample_token
 from .tree import ROOT, DraftTree
 
@@ -47,24 +45,3 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, genera
             return Verification(tree, path, [tree.tokens[i] for i in path] + [choice], target_tokens)
         path.append(child)
         node = child
-
-
-@torch.inference_mode()
-def verify(
-    forward: TreeForward,
-    cache: DynamicCache,
-    root: int,
-    tree: DraftTree,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    tree_mode: bool,
-) -> Verification:
-    """Verify `tree` after `root`, leave the cache holding root + accepted path, return the result."""
-    if not tree_mode:
-        tree = tree.longest_branch()
-    # Without a draft, plain decoding's own forward (no custom mask to build and apply) is the cheapest.
-    chain = not tree_mode or not tree.tokens
-    logits = (forward.chain if chain else forward.tree)(cache, root, tree)
-    result = accept(tree, logits, params, generator)
-    keep_cache_entries(cache, len(tree) + 1, [0] + [i + 1 for i in result.accepted_nodes])
-    return result

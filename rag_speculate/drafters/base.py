@@ -7,6 +7,7 @@ one) keeps the output identical to plain decoding; a good one just gets more of 
 from __future__ import annotations
 
 import contextlib
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -63,6 +64,12 @@ class Drafter(ABC):
     def attach(self, target: Target) -> None:
         """The engine this drafter serves is being built: refuse a target whose token ids mean other
         text, or a model of the drafter's own on another device than the target's."""
+
+    def fork(self) -> Drafter:
+        """A drafter for one more generation running at the same time, attached to the same target:
+        what only reads (documents indexed at `start`, a corpus) may be shared, state a generation
+        changes may not. A shallow copy serves a drafter whose `start` replaces all such state."""
+        return copy.copy(self)
 
     def start(self, context: DraftContext) -> None:
         """A new generation begins; drop per-generation state and index the context."""

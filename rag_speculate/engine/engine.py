@@ -1,17 +1,20 @@
 """The speculative decoding engine: draft, verify in one forward, keep what the target agrees with.
 
-The whole decode loop is `_run`; everything it calls is small and lives beside it. Every generation
-runs on the engine's own thread (`thread.py`), whichever thread called: `generate` waits for it,
-`stream` reads its deltas as they come.
+Every generation runs on the engine's own thread (`thread.py`), whichever thread asked for it, and
+the generations in flight run together there, a step at a time (`scheduler.py`): each step
+verifies every sequence's draft in one forward of the model. `generate` waits for its generation,
+`stream` reads its deltas as they come, `generate_batch` starts several at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
+import hashlib
+import json
+import logging
+import platform
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +22,37 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cpu import forward_context
-from ..decoding.budget import CostModel, best_prefix
+from ..decoding.batch import BatchForward, unsupported
+from ..decoding.budget import CostModel
 from ..decoding.forward import TreeForward
-from ..decoding.kv_cache import make_cache, sliding_window
-from ..decoding.output import OutputTracker, eos_token_ids
-from ..decoding.prompt_cache import PromptCache
-from ..decoding.request import Request
-from ..decoding.result import Channel, GenerationResult, GenerationStats, GenerationStream
-from ..decoding.sampling import sample_token
-from ..decoding.tree import DraftTree
-from ..decoding.verify import verify
-from ..drafters import CombinedDrafter, DraftContext, Drafter, NGramTrieDrafter
+from ..decoding.output import eos_token_ids
+from ..decoding.prompt_cache import PromptCache, kv_bytes_per_token
+from ..decoding.request import Request, check_int
+from ..decoding.result import Channel, GenerationResult, GenerationStream
+from ..devices import cpu_flags
+from ..drafters import CombinedDrafter, Drafter, NGramTrieDrafter
 from ..drafters.base import ForwardContext, Target
 from ..errors import InvalidArgumentError, RagSpeculateError
+from ..files import cache_dir
 from .inputs import Document, Inputs, Prompt
+from .runner import BatchRunner, SequentialRunner
+from .scheduler import Scheduler
 from .thread import EngineThread
 
-# The most draft nodes one forward may verify; each step verifies only the best-first prefix of
-# the draft that pays for its measured cost (budget.py). On a CPU a forward's cost grows with every
-# token fed, so more than 16 rarely pays; on a GPU a larger budget costs little more.
+logger = logging.getLogger(__name__)
+
+# The most draft nodes one forward may verify per sequence; each step verifies only the best-first
+# prefix of each draft that pays for its measured cost (budget.py). On a CPU a forward's cost grows
+# with every token fed, so more than 16 rarely pays; on a GPU a larger budget costs little more.
 DEFAULT_DRAFT_BUDGET = 16
+# Generations run together at most, by default (docs/benchmarks.md, "Serving", measured how many pay).
+DEFAULT_MAX_BATCH = 8
+# Prompt tokens a joining sequence feeds per step while others decode: their steps wait at most this long.
+DEFAULT_PREFILL_CHUNK = 128
+# KV entries the running sequences may hold together, by default: each row room for this many tokens.
+_DEFAULT_ROW_TOKENS = 8192
+# Bumped when how the cost curve is measured changes, so curves saved before are timed again.
+_COSTS_VERSION = 1
 
 
 def kernel_context(model: PreTrainedModel, wanted: bool | None = None) -> ForwardContext | None:
@@ -62,21 +76,31 @@ class SpeculativeEngine:
         name: str | None = None,
         fast_kernels: bool | None = None,
         prompt_cache_bytes: int | None = None,
+        max_batch: int | None = None,
+        kv_cache_bytes: int | None = None,
+        prefill_chunk: int | None = None,
     ):
-        """`fast_kernels`: decoding and verification forwards through faster CPU kernels
-        (`rag_speculate.cpu`: linear layers, and bf16 attention); None uses them where they work
-        (fp32 on CPU, bf16 with AVX512-BF16), True requires them, False keeps torch's; a draft
-        model's forwards follow the same choice. `prompt_cache_bytes`: memory for the KV entries of
-        prompts and answers seen before (`prompt_cache.py`), reused by later requests that begin
-        with the same tokens; None makes room for some tens of thousands of tokens, 0 turns it off."""
+        """`fast_kernels`: forwards through the CPU kernels (`rag_speculate.cpu`: linear layers and
+        attention, each row as if alone); None uses them where they work (fp32 and bf16 on CPU),
+        True requires them, False keeps torch's; a draft model's forwards follow the same choice.
+        `prompt_cache_bytes`: memory for the KV entries of prompts and answers seen before
+        (`prompt_cache.py`), reused by later requests that begin with the same tokens; None makes
+        room for some tens of thousands of tokens, 0 turns it off. `max_batch`: generations run
+        together at most (1: one at a time); `kv_cache_bytes`: memory for the running generations'
+        KV entries (a request that does not fit waits; None: room for `max_batch` sequences of 8,192
+        tokens); `prefill_chunk`: prompt tokens a joining generation feeds per step while others decode."""
         if draft_budget is not None and (not isinstance(draft_budget, int) or isinstance(draft_budget, bool) or draft_budget < 0):
-            raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting) and an integer, got {draft_budget!r}", "draft_budget")
+            raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget!r}", "draft_budget")
+        self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
+        max_batch = DEFAULT_MAX_BATCH if max_batch is None else check_int(max_batch, "max_batch", 1)
+        prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else check_int(prefill_chunk, "prefill_chunk", 1)
+        if kv_cache_bytes is not None:
+            check_int(kv_cache_bytes, "kv_cache_bytes", 1)
         self.model = model.eval()
         self.tokenizer = tokenizer
         # How users and tracing know this model: the name it was loaded by, else its config's.
         self.name = name or Path(str(model.config.name_or_path or type(model).__name__)).name
         self.drafter = _one_drafter(drafter)
-        self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -99,12 +123,32 @@ class SpeculativeEngine:
                 stacklevel=2,
             )
         self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes)
-        # Forward cost by tokens fed, timed on first use (building an engine should stay cheap);
-        # assign one to skip the timing or to pin the curve.
+        batched = BatchForward(model, context=context or contextlib.nullcontext)
+        # Why generations run one at a time here ("" when they run together).
+        self.batching_unsupported = unsupported(model) or ("" if self.tree_attention else "it verifies chains only")
+        if not self.batching_unsupported:
+            self.batching_unsupported = batched.rows_unsupported(self._forward)
+        if self.batching_unsupported:
+            if max_batch > 1:
+                logger.info("%s runs one generation at a time: %s", type(model).__name__, self.batching_unsupported)
+            max_batch = 1
+            runner: BatchRunner | SequentialRunner = SequentialRunner(model, self._forward, self.prompt_cache, self.tree_attention)
+        else:
+            runner = BatchRunner(model, batched, self.prompt_cache)
+        self.max_batch = max_batch
+        row_tokens = min(self.max_positions or _DEFAULT_ROW_TOKENS, _DEFAULT_ROW_TOKENS)
+        kv_tokens = (kv_cache_bytes // kv_bytes_per_token(model)) if kv_cache_bytes is not None else max_batch * row_tokens
+        if kv_tokens < 2:
+            raise InvalidArgumentError(f"kv_cache_bytes={kv_cache_bytes} has no room for a request's KV entries", "kv_cache_bytes")
+        # Forward cost by tokens fed, loaded or timed on first use (building an engine should stay
+        # cheap); assign one to skip the timing or to pin the curve.
         self.cost_model: CostModel | None = None
-        # One generation at a time, all on one thread: the model's forward and the drafter's state
-        # are not shared-safe, and one thread keeps one team of CPU threads busy (`thread.py`).
-        self._thread = EngineThread(f"rag-speculate-{self.name}")
+        self._scheduler = Scheduler(
+            runner, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
+            drafter=self.drafter, draft_budget=self.draft_budget, costs=self._costs, max_batch=max_batch,
+            kv_tokens=kv_tokens, prefill_chunk=prefill_chunk, device=model.device,
+        )  # fmt: skip
+        self._thread = EngineThread(f"rag-speculate-{self.name}", self._scheduler.step, self._scheduler.fail_all)
 
     @classmethod
     def from_pretrained(
@@ -118,7 +162,8 @@ class SpeculativeEngine:
         **options: Any,
     ) -> SpeculativeEngine:
         """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id;
-        `options` as the constructor takes them (`draft_budget`, `fast_kernels`, `prompt_cache_bytes`).
+        `options` as the constructor takes them (`draft_budget`, `fast_kernels`, `prompt_cache_bytes`,
+        `max_batch`, `kv_cache_bytes`, `prefill_chunk`).
 
         `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
         on CPUs that compute in it, else fp32 (`devices.default_dtype`).
@@ -129,8 +174,15 @@ class SpeculativeEngine:
         return cls(model, tokenizer, drafter, name=options.pop("name", name_or_path), **options)
 
     def generate(self, prompt: Prompt, **options: Any) -> GenerationResult:
-        """Generate a completion (on the engine's thread; this one waits). Options as in `prepare`."""
+        """Generate a completion (on the engine's thread, beside any other in flight; this one
+        waits). Options as in `prepare`."""
         return self.stream(prompt, **options).collect()
+
+    def generate_batch(self, prompts: Sequence[Prompt], **options: Any) -> list[GenerationResult]:
+        """Generate a completion for each prompt, all running together; options as in `prepare`,
+        the same for every prompt. Every one is checked before any starts."""
+        requests = [self.prepare(prompt, **options) for prompt in prompts]
+        return [stream.collect() for stream in [self.stream_request(r) for r in requests]]
 
     def stream(self, prompt: Prompt, **options: Any) -> GenerationStream:
         """Text deltas as tokens are accepted; the stream's `result` holds the GenerationResult.
@@ -143,17 +195,18 @@ class SpeculativeEngine:
 
     def stream_request(self, request: Request) -> GenerationStream:
         """`stream` for a request `prepare` has checked: a server checks a request when it arrives
-        and starts it when the engine is free."""
+        and starts it when the engine has room."""
         if self._thread.is_current():
             raise RagSpeculateError("a generation cannot start another on the same engine and wait for it")
         channel = Channel()
-        self._thread.submit(lambda: _run_into(self._run(request, channel.cancelled), channel))
+        self._scheduler.submit(request, channel)
+        self._thread.wake()
         return GenerationStream(channel)
 
     @property
     def in_flight(self) -> int:
-        """Generations started and not yet finished, running or waiting for the engine."""
-        return self._thread.pending
+        """Generations started and not yet finished, running or waiting for room."""
+        return self._scheduler.in_flight()
 
     def prepare(
         self,
@@ -188,96 +241,19 @@ class SpeculativeEngine:
         """The token ids `generate` would use for this prompt (and these tools, with `chat=True`)."""
         return self._inputs.prompt_ids(prompt, chat=chat, tools=tools)
 
-    def _run(self, request: Request, cancelled: threading.Event) -> Generator[str, None, GenerationResult]:
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-        started = time.perf_counter()
-        params, generator = request.sampling, self._generator(request.seed)
-        output = OutputTracker(self.tokenizer, self.eos_token_ids, request.stop, request.max_new_tokens)
-
-        cache = make_cache(self.model)
-        # At least the prompt's last token is fed: its logits give the first new token.
-        reused = self.prompt_cache.load(self.model, request.prompt_ids[:-1], cache)
-        stats.cached_prompt_tokens = reused
-        tree_mode = self._tree_mode(cache, request)
-        costs = self._cost_model(tree_mode)
-        setup_started = time.perf_counter()
-        self.drafter.start(DraftContext(request.prompt_ids, request.document_ids, self.vocab_size, costs))
-        stats.draft_setup_s = time.perf_counter() - setup_started
-
-        prefill_started = time.perf_counter()
-        first = sample_token(self._forward.prefill(cache, request.prompt_ids[reused:]), params, generator)
-        stats.prefill_s = time.perf_counter() - prefill_started
-        stats.target_forwards = 1
-        stats.time_to_first_token_s = time.perf_counter() - started
-        tokens = [*request.prompt_ids, first]
-        output.extend([first])
-        stats.verification = "tree" if tree_mode else "chain"
-        yield output.delta()
-
-        decode_started = time.perf_counter()
-        # A closed stream stops at the next step, which frees the engine for the next caller.
-        while not output.done and not cancelled.is_set():
-            draft_started = time.perf_counter()
-            # A draft longer than the tokens left could only be cut: don't pay to draft it.
-            budget = min(self.draft_budget, request.max_new_tokens - len(output.token_ids) - 1)
-            # Best first, so every prefix is a tree and the budget keeps the likeliest nodes.
-            tree = self._checked(self.drafter.propose(tokens, budget)).best_first().truncated(budget)
-            if tree.scores:
-                tree = tree.truncated(best_prefix(tree.scores, costs))
-            stats.drafting_s += time.perf_counter() - draft_started
-
-            forward_started = time.perf_counter()
-            verification = verify(self._forward, cache, tokens[-1], tree, params, generator, tree_mode)
-            fed = len(verification.tree) + 1
-            costs.observe(fed, time.perf_counter() - forward_started)
-            stats.target_forwards += 1
-            stats.forward_sizes[fed] += 1
-
-            draft_started = time.perf_counter()
-            self.drafter.observe(verification)
-            stats.drafting_s += time.perf_counter() - draft_started
-
-            taken = output.extend(verification.accepted_tokens)
-            tokens.extend(verification.accepted_tokens[:taken])
-            _count_sources(stats, verification.tree, verification.accepted_nodes[:taken], self.drafter.name)
-            delta = output.delta()
-            if delta:
-                yield delta
-        stats.decode_s = time.perf_counter() - decode_started
-        stats.new_tokens = len(output.token_ids)
-        # Only now, with every entry computed: the cache holds the tokens' entries in order
-        # (and, where a stop string cut an accepted draft short, a few more).
-        self.prompt_cache.insert(self.model, tokens[: cache.get_seq_length()], cache)
-        delta = output.delta()
-        if delta:
-            yield delta
-        return GenerationResult(output.text, output.token_ids, output.finish_reason or "cancelled", stats)
-
-    # --- helpers of the decode loop -------------------------------------------------------
-
-    def _generator(self, seed: int | None) -> torch.Generator:
-        generator = torch.Generator(device=self.model.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        return generator
-
-    def _cost_model(self, tree_mode: bool) -> CostModel:
+    def _costs(self) -> CostModel:
+        """The target's forward cost by tokens fed: assigned, saved for this model and machine, or timed now."""
         if self.cost_model is None:
-            self.cost_model = CostModel.measure(self._forward.timed(tree_mode), self.draft_budget + 1)
+            path = _costs_path(self)
+            self.cost_model = CostModel.load(path)
+            if self.cost_model is None:
+                longest = self.max_batch * (self.draft_budget + 1)
+                self.cost_model = CostModel.measure(self._forward.timed(self.tree_attention), longest)
+                try:
+                    self.cost_model.save(path)
+                except OSError as error:  # a read-only cache costs a timing per engine, nothing more
+                    logger.info("cannot save the cost curve at %s: %s", path, error)
         return self.cost_model
-
-    def _tree_mode(self, cache, request: Request) -> bool:
-        """Tree verification, unless the model cannot, or a sliding window would outgrow its past."""
-        window = sliding_window(cache)
-        longest = len(request.prompt_ids) + request.max_new_tokens + self.draft_budget
-        return self.tree_attention and (window is None or longest < window)
-
-    def _checked(self, tree: DraftTree) -> DraftTree:
-        if tree.tokens and not 0 <= min(tree.tokens) <= max(tree.tokens) < self.vocab_size:
-            raise RagSpeculateError(f"drafter {self.drafter.name!r} proposed a token outside [0, {self.vocab_size})")
-        return tree
 
 
 def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
@@ -291,19 +267,19 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
     raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
 
 
-def _count_sources(stats: GenerationStats, tree: DraftTree, accepted: list[int], default: str) -> None:
-    for i in range(len(tree)):
-        stats.drafted_tokens[tree.source(i) or default] += 1
-    for i in accepted:
-        stats.accepted_tokens[tree.source(i) or default] += 1
-
-
-def _run_into(steps: Generator[str, None, GenerationResult], channel: Channel) -> None:
-    """Run a generation's steps, handing each delta, then the result or the error, to its stream."""
-    try:
-        while True:
-            channel.delta(next(steps))
-    except StopIteration as finished:
-        channel.finish(finished.value)
-    except BaseException as error:  # noqa: BLE001 - handed to the reader, who raises it
-        channel.fail(error)
+def _costs_path(engine: SpeculativeEngine) -> Path:
+    """Where this model's cost curve on this machine is kept: keyed by what its forward's cost
+    depends on (the model's shapes, dtype and device, the kernels, the CPU, torch, the threads)."""
+    config = engine.model.config.to_dict()
+    shape = {key: config.get(key) for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                               "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
+    parameter = next(engine.model.parameters())
+    identity = {
+        "version": _COSTS_VERSION, "shape": shape, "dtype": str(parameter.dtype), "device": parameter.device.type,
+        "kernels": engine.fast_kernels, "tree": engine.tree_attention, "longest": engine.max_batch * (engine.draft_budget + 1),
+        "cpu": platform.processor() or platform.machine(), "flags": sorted(cpu_flags()), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(parameter.device) if parameter.device.type == "cuda" else None,
+    }  # fmt: skip
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "costs" / f"{digest}.json"

@@ -1,59 +1,58 @@
-"""The engine's thread: every generation of an engine runs on one thread, in the order submitted.
+"""The engine's thread: every forward of an engine runs on it, whichever thread asked for the generation.
 
 torch runs a CPU forward's operators on an OpenMP thread team that belongs to the calling thread, and
-a team's threads spin for a while after each parallel region before they sleep. Generations run from
-several threads (the caller's, a stream's worker) keep several teams, and on a machine with few cores
-the spinning threads of the idle teams take the cores the busy team needs, so a step costs more on
-whichever thread did not run the last one. Running every forward on one thread keeps one team, and a
-step costs the same whoever called (`benchmarks/thread_cost.py` measures it).
+a team's threads spin for a while after each parallel region before they sleep. Generations run
+from several threads (the caller's, a stream's worker) keep several teams, and on a machine with
+few cores the spinning threads of the idle teams take the cores the busy team needs. Running every
+forward on one thread keeps one team busy, and a step costs the same whoever called
+(`benchmarks/thread_cost.py` measures it). It is also what lets the generations in flight share
+each forward (`scheduler.py`).
 
-The thread ends after `idle_s` without work and the next submission starts another, so an engine
-that is dropped leaves no thread behind for long.
+The thread ends after `idle_s` without work and the next `wake` starts another, so an engine that
+is dropped leaves no thread behind for long.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 
 
 class EngineThread:
-    def __init__(self, name: str, idle_s: float = 10.0):
-        self.name = name
-        self.idle_s = idle_s
-        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+    def __init__(self, name: str, step: Callable[[], bool], failed: Callable[[BaseException], None], idle_s: float = 10.0):
+        """`step()` runs one step of the work in flight and says whether there may be more; an
+        exception out of it goes to `failed` (whose work it was is lost), and the thread goes on."""
+        self.name, self.idle_s = name, idle_s
+        self._step, self._failed = step, failed
         self._lock = threading.Lock()
+        self._woken = threading.Event()
         self._thread: threading.Thread | None = None
-        # Jobs submitted and not yet finished.
-        self.pending = 0
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` on the engine's thread after the jobs before it; `job` handles its own errors."""
+    def wake(self) -> None:
+        """There is work: run steps until there is none."""
         with self._lock:
-            self.pending += 1
-            self._jobs.put(job)
+            self._woken.set()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
 
     def is_current(self) -> bool:
-        """Whether the caller runs on the engine's thread (where waiting for a job would never end)."""
+        """Whether the caller runs on the engine's thread (where waiting for a generation would never end)."""
         return threading.current_thread() is self._thread
 
     def _loop(self) -> None:
         while True:
+            self._woken.clear()
             try:
-                job = self._jobs.get(timeout=self.idle_s)
-            except queue.Empty:
-                # Under the lock, so a job submitted now either is seen here or starts a new thread.
+                busy = self._step()
+            except Exception as error:  # noqa: BLE001 - handed on; the thread must outlive one bad step
+                self._failed(error)
+                busy = False
+            if busy:
+                continue
+            if not self._woken.wait(timeout=self.idle_s):
+                # Under the lock, so a `wake` now either is seen here or starts a new thread.
                 with self._lock:
-                    if self._jobs.empty():
+                    if not self._woken.is_set():
                         self._thread = None
                         return
-                continue
-            try:
-                job()
-            finally:
-                with self._lock:
-                    self.pending -= 1

@@ -6,7 +6,7 @@ import pytest
 from conftest import hf_greedy, tiny_model
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.decoding.budget import CostModel, best_prefix
+from rag_speculate.decoding.budget import CostModel, batch_width, best_prefix
 from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.decoding.verify import Verification
 from rag_speculate.drafters.agreement import DecayingRate, MatchAgreement
@@ -87,3 +87,23 @@ def test_engine_stops_drafting_when_drafts_do_not_pay_and_stays_lossless(tokeniz
     result = engine.generate(ids, documents=[reference], max_new_tokens=40)
     assert result.token_ids == reference
     assert sum(result.stats.drafted_tokens.values()) == 0
+
+
+@pytest.mark.parametrize("cost", [BF16, FP32])
+def test_batch_width_drafts_less_as_rows_are_added_and_never_loses_to_no_drafting(cost):
+    scores = [0.95, 0.9, 0.8, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
+    # One row: the best prefix, as the engine verified before batching.
+    assert batch_width([scores], cost, 16) == best_prefix(scores, cost) + 1
+    widths = [batch_width([scores] * rows, cost, 16) for rows in (1, 2, 4, 8, 16)]
+    assert widths[-1] <= widths[0]  # a full batch drafts no more than one row
+    for rows, q in zip((1, 2, 4, 8, 16), widths):
+        speed = sum(1 + sum(scores[: q - 1]) for _ in range(rows)) / cost(rows * q)
+        assert speed >= rows / cost(rows)  # at least the batch's speed without drafting
+
+
+def test_batch_width_verifies_unscored_drafts_whole_and_nothing_when_no_draft_pays():
+    flat = CostModel({1: 1.0, 300: 1.0}, learn=False)
+    assert batch_width([[0.5] * 4, []], flat, 16) == 5
+    assert batch_width([[], []], flat, 16, least=7) == 7
+    dear = CostModel({1: 1.0, 2: 2.0, 300: 300.0}, learn=False)
+    assert batch_width([[0.9, 0.9], [0.9]], dear, 16) == 1

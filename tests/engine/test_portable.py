@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 import pytest
@@ -32,27 +31,30 @@ def _drafters(tokenizer, reference):
 
 
 @pytest.mark.parametrize("name", ["trie", "random", "ouroboros", "combined"])
-def test_no_tensor_is_made_off_the_models_device(name, tokenizer):
+def test_no_tensor_is_made_off_the_models_device(name, tokenizer, monkeypatch):
     model = tiny_model("qwen2")
     ids = tokenizer.encode(PROMPT)
     reference = hf_greedy(model, ids, 24)
     engine = SpeculativeEngine(model, tokenizer, _drafters(tokenizer, reference)[name])
     engine.cost_model = CostModel({1: 1.0, 65: 1.0}, learn=False)  # every draft is verified
     engine.generate(ids, max_new_tokens=2)  # times the draft model's costs outside the guard
-    # Any tensor created without naming a device now lands on `meta` and fails beside the model's.
-    torch.set_default_device("meta")
-    try:
-        result = engine.generate(ids, documents=[reference], max_new_tokens=24)
-    finally:
-        torch.set_default_device(None)
+    # Any tensor created without naming a device now lands on `meta` and fails beside the model's:
+    # on the engine's thread, where the generation runs (a default device holds for one thread).
+    result = _on_meta(engine, lambda: engine.generate(ids, documents=[reference], max_new_tokens=24), monkeypatch)
     assert result.token_ids == reference
     assert sum(result.stats.drafted_tokens.values()) > 0  # drafts were made and verified under the guard
 
 
-def _on_engine_thread(engine: SpeculativeEngine, call) -> None:
-    done = threading.Event()
-    engine._thread.submit(lambda: (call(), done.set()))
-    assert done.wait(60)
+def _on_meta(engine: SpeculativeEngine, call, monkeypatch):
+    """`call()` with every step of the engine's thread under `meta` as torch's default device."""
+    step = engine._thread._step
+
+    def guarded() -> bool:
+        with torch.device("meta"):
+            return step()
+
+    monkeypatch.setattr(engine._thread, "_step", guarded)
+    return call()
 
 
 class _HostReads(TorchFunctionMode):
@@ -67,19 +69,22 @@ class _HostReads(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("name", ["trie", "random"])
-def test_a_greedy_step_reads_back_from_the_device_once(name, tokenizer):
+def test_a_greedy_step_reads_back_from_the_device_once(name, tokenizer, monkeypatch):
     model = tiny_model("llama")
     ids = tokenizer.encode(PROMPT)
     reference = hf_greedy(model, ids, 32)
     engine = SpeculativeEngine(model, tokenizer, _drafters(tokenizer, reference)[name])
     engine.cost_model = CostModel({1: 1.0, 65: 1.0}, learn=False)
-    # A torch function mode holds for the thread that enters it: the engine's, where generations run.
+    # A torch function mode holds for the thread that enters it: every step of the engine's thread runs in it.
     reads = _HostReads()
-    _on_engine_thread(engine, reads.__enter__)
-    try:
-        result = engine.generate(ids, documents=[reference], max_new_tokens=32)
-    finally:
-        _on_engine_thread(engine, lambda: reads.__exit__(None, None, None))
+    step = engine._thread._step
+
+    def counted() -> bool:
+        with reads:
+            return step()
+
+    monkeypatch.setattr(engine._thread, "_step", counted)
+    result = engine.generate(ids, documents=[reference], max_new_tokens=32)
     assert result.token_ids == reference
     # The prefill's first token, then each verification's walk: one read of the target's choices.
     assert sum(reads.count.values()) == result.stats.target_forwards, reads.count

@@ -263,6 +263,20 @@ def test_concurrent_threads_and_tasks_match_sequential(engine):
     assert chat_answer.content == chat.invoke(QUESTION).content
 
 
+def test_batch_and_abatch_run_their_prompts_together(engine):
+    llm = SpeculativeHFLLM.from_engine(engine, model=MODEL, max_tokens=12)
+    chat = ChatSpeculativeHF.from_engine(engine, model=MODEL, max_tokens=12)
+    prompts = [COUNT_PROMPT, "The capital of France is", "Once upon a time"]
+    alone = [llm.invoke(p) for p in prompts]
+    batched = llm.generate(prompts)  # what llm.batch calls, with every prompt at once
+    assert [g[0].text for g in batched.generations] == alone
+    assert max(size for g in batched.generations for size in g[0].generation_info["speculative_stats"]["batch_sizes"]) > 1
+    questions = [QUESTION, "Name a colour.", "Say hello."]
+    answers = asyncio.run(chat.abatch(questions))
+    assert [a.content for a in answers] == [chat.invoke(q).content for q in questions]
+    assert max(int(size) for a in answers for size in a.response_metadata["speculative_stats"]["batch_sizes"]) > 1
+
+
 LONG = {"max_tokens": 2000}  # minutes of generation, unless it is stopped
 
 

@@ -295,6 +295,18 @@ def test_concurrent_threads_and_tasks_match_sequential(engine):
     assert asyncio.run(tasks()) == sequential
 
 
+def test_async_calls_run_together(llm):
+    prompts = [COUNT_PROMPT, "The capital of France is", "Once upon a time"]
+    alone = [llm.complete(p, formatted=True, max_new_tokens=12).text for p in prompts]
+
+    async def gathered():
+        return await asyncio.gather(*(llm.acomplete(p, formatted=True, max_new_tokens=12) for p in prompts))
+
+    responses = asyncio.run(gathered())
+    assert [r.text for r in responses] == alone
+    assert max(size for r in responses for size in r.additional_kwargs["speculative_stats"]["batch_sizes"]) > 1
+
+
 def test_leaving_astream_early_frees_the_engine(llm):
     async def leave_then_generate() -> None:
         responses = await llm.astream_complete(COUNT_PROMPT, formatted=True, max_new_tokens=2000)

@@ -63,7 +63,9 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return self._llm_result([self._start(p, stop, kwargs).collect() for p in prompts])
+        # Every prompt started before any is read: the engine runs them together.
+        streams = [self._start(p, stop, kwargs) for p in prompts]
+        return self._llm_result([stream.collect() for stream in streams])
 
     async def _agenerate(
         self,
@@ -72,7 +74,8 @@ class SpeculativeHFLLM(SpeculativeHFParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return self._llm_result([await self._start(p, stop, kwargs).acollect() for p in prompts])
+        streams = [self._start(p, stop, kwargs) for p in prompts]
+        return self._llm_result([await stream.acollect() for stream in streams])
 
     def _stream(
         self,

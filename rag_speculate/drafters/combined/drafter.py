@@ -28,6 +28,7 @@ cost: where the documents' trie has a long confident match, the draft model is n
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -77,6 +78,13 @@ class CombinedDrafter(Drafter):
     def attach(self, target: Target) -> None:
         for drafter in self.drafters:
             drafter.attach(target)
+
+    def fork(self) -> CombinedDrafter:
+        """Each drafter forked; what each has earned so far copied."""
+        other = CombinedDrafter([d.fork() for d in self.drafters], skip_unpaid=self.skip_unpaid, config=self.config)
+        other._ledgers = copy.deepcopy(self._ledgers)
+        other._target_s, other._steps = self._target_s, self._steps
+        return other
 
     def start(self, context: DraftContext) -> None:
         for drafter in self.drafters:

@@ -48,6 +48,7 @@ Simplified from the paper, for hardware where every token fed to a forward costs
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 
@@ -152,6 +153,18 @@ class OuroborosDrafter(Drafter):
                 "it was built for another tokenizer; pick a draft model of the target's family"
             )
         self.draft.attach(target.vocab_size, target.forward_context(self.draft.model))
+        self._target = target
+
+    def fork(self) -> OuroborosDrafter:
+        """The same draft model's weights and the same phrase pool (both only read or grown, and
+        every generation runs on the engine's one thread); a cache of its own; the rates learnt so
+        far copied."""
+        other = OuroborosDrafter(self.draft.model, self.draft.tokenizer, self.config, pool=self.pool)
+        for name in ("_calibration", "_alternative_calibration", "_suffix_rate", "_pool_rate"):
+            setattr(other, name, copy.deepcopy(getattr(self, name)))
+        other._typical_estimate = self._typical_estimate
+        other.attach(self._target)
+        return other
 
     def start(self, context: DraftContext) -> None:
         """Fresh draft cache, holding the prompt; the pool and the learnt rates are kept (warm start)."""

@@ -8,6 +8,7 @@ documents retrieved for one request are not used here: the datastore is the corp
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from ...decoding.tree import DraftTree
@@ -51,6 +52,13 @@ class RESTDrafter(Drafter):
                 f"the datastore's vocabulary ({self.datastore.vocab_size} ids) is larger than the model's "
                 f"({target.vocab_size}): it was built for another model; rebuild it with this model's tokenizer"
             )
+
+    def fork(self) -> RESTDrafter:
+        """The datastore shared; the rates learnt so far copied, as each generation's proposals and
+        verifications must meet in its own."""
+        other = copy.copy(self)
+        other._agreement = copy.deepcopy(self._agreement)
+        return other
 
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
         if budget < 1:

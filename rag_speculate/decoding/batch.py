@@ -1,0 +1,312 @@
+"""Several sequences in one forward of an unmodified model: `BatchCache` and `BatchForward`.
+
+Each sequence in flight owns a row of the cache, `[rows, kv_heads, capacity, head_dim]` per layer,
+filled up to its own length. A forward feeds every row's tokens padded to the longest (a draft
+tree's `[root, *draft]`, or a chunk of a prompt), at each row's own positions, under one additive
+4D mask that lets a token see its row's cached entries, itself and its ancestors among the fed,
+nothing of another row and no padding. The model writes the fed tokens' keys and values through
+the cache's `update` after each row's length; `keep` then holds on to the accepted path's entries
+only, gathered in place, as `kv_cache.keep_cache_entries` does for one sequence.
+
+    cache = BatchCache(model)
+    a, b = cache.add_row(), cache.add_row()
+    logits = BatchForward(model)(cache, [Fed(a, prompt_ids), Fed(b, [root, *draft], parents)])
+    cache.advance(a, len(prompt_ids))            # a prompt's entries, all kept
+    cache.keep({b: [0, 1, 2]})                   # the root and two accepted nodes
+
+The rows' arithmetic stays their own only through kernels that compute each row as if alone (the
+CPU kernels do; torch's do not: docs/design.md, "Losslessness").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from .forward import TreeForward, shared_kv_heads
+from .kv_cache import cache_keyword, make_cache, sliding_window
+from .tree import ROOT, DraftTree
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What one row feeds a forward: tokens after its cached entries, each with its parent among them
+    (ROOT: the cached entries alone); None for a chain, each token after the one before it."""
+
+    row: int
+    tokens: list[int]
+    parents: list[int] | None = None
+
+
+def unsupported(model: PreTrainedModel) -> str:
+    """Why `model`'s cache cannot be laid out in rows ("" when it can): a sliding window forgets
+    entries, and layers other than plain keys and values cannot be written by position."""
+    cache = make_cache(model)
+    if sliding_window(cache) is not None:
+        return "it has sliding-window attention layers"
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    return "" if kinds <= {"DynamicLayer"} else f"its cache layers are {', '.join(sorted(kinds))}"
+
+
+class BatchCache:
+    """The keys and values of several sequences, a row each, grown as they need; what a model's
+    forward calls `update` on. Rows are added and removed between forwards."""
+
+    def __init__(self, model: PreTrainedModel):
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.layers = config.num_hidden_layers
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        parameter = next(model.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []  # entries held, by row
+        self._free: list[int] = []
+        # Set by BatchForward for the forward under way: the rows fed, in order, and where each writes.
+        self._rows: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._span: tuple[int, int] | None = None  # the rows fed, when they are a contiguous run
+        self._seen = 0  # entries the forward's attention reads per row
+
+    # --- rows ------------------------------------------------------------------------------
+
+    def add_row(self) -> int:
+        """A new, empty row; a removed row's place is used again."""
+        if self._free:
+            row = self._free.pop()
+        else:
+            row = len(self.lengths)
+            self.lengths.append(0)
+        self.lengths[row] = 0
+        return row
+
+    def remove_row(self, row: int) -> None:
+        """Free `row`; its entries are dropped."""
+        self.lengths[row] = 0
+        self._free.append(row)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths) - len(self._free)
+
+    def held_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def reserve(self, needed: int) -> None:
+        """Room in every row for `needed` entries, and for every row there is."""
+        capacity = self.keys[0].shape[2] if self.keys else 0
+        rows_now = self.keys[0].shape[0] if self.keys else 0
+        if needed <= capacity and len(self.lengths) <= rows_now:
+            return
+        # Grown by doubling, so a sequence that grows a token at a time copies its cache rarely.
+        capacity = max(needed, 2 * capacity, 64)
+        rows = max(len(self.lengths), rows_now)
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        for store in (self.keys, self.values):
+            for i in range(self.layers):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if i < len(store):
+                    old = store[i]
+                    grown[: old.shape[0], :, : old.shape[2]] = old
+                    store[i] = grown
+                else:
+                    store.append(grown)
+
+    # --- the forward's side ------------------------------------------------------------------
+
+    def begin(self, rows: list[int], fed: int) -> None:
+        """The next forward feeds `fed` tokens (padding included) to each of `rows`, in that order."""
+        self.reserve(max(self.lengths[r] for r in rows) + fed)
+        device = self.device
+        self._rows = torch.tensor(rows, device=device)
+        starts = torch.tensor([self.lengths[r] for r in rows], device=device)
+        self._positions = starts[:, None] + torch.arange(fed, device=device)[None]
+        self._span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+        self._seen = max(self.lengths[r] for r in rows) + fed
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Write the fed tokens' keys and values `[rows fed, kv_heads, fed, head_dim]` after each
+        row's entries; the rows' keys and values up to the longest, for the attention to read."""
+        rows, positions = self._rows[:, None], self._positions
+        for store, new in ((self.keys, key_states), (self.values, value_states)):
+            store[layer_idx][rows, :, positions] = new.transpose(1, 2).to(self.dtype)
+        if self._span is not None:
+            first, end = self._span
+            return self.keys[layer_idx][first:end, :, : self._seen], self.values[layer_idx][first:end, :, : self._seen]
+        return (self.keys[layer_idx].index_select(0, self._rows)[:, :, : self._seen],
+                self.values[layer_idx].index_select(0, self._rows)[:, :, : self._seen])  # fmt: skip
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def advance(self, row: int, fed: int) -> None:
+        """After a forward: keep every entry `row` was fed (a prompt's chunk), in order."""
+        self.lengths[row] += fed
+
+    def keep(self, kept: dict[int, list[int]]) -> None:
+        """After a forward: of the entries each row was fed, keep those at the given offsets
+        (ascending), in that order, right after the row's earlier entries."""
+        rows = [r for r in kept if kept[r]]
+        if not rows:
+            return
+        width = max(len(kept[r]) for r in rows)
+        # Rows keeping fewer repeat their last entry: writing the same entry twice changes nothing.
+        source = np.array([[self.lengths[r] + kept[r][min(j, len(kept[r]) - 1)] for j in range(width)] for r in rows])
+        target = np.array([[self.lengths[r] + min(j, len(kept[r]) - 1) for j in range(width)] for r in rows])
+        index = torch.tensor(rows, device=self.device)[:, None]
+        source_t, target_t = torch.from_numpy(source).to(self.device), torch.from_numpy(target).to(self.device)
+        for store in (self.keys, self.values):
+            for layer in store:
+                layer[index, :, target_t] = layer[index, :, source_t]
+        for r in rows:
+            self.lengths[r] += len(kept[r])
+
+    # --- a row as a cache of its own (the prompt cache copies entries in and out) -------------
+
+    def row_cache(self, row: int) -> RowCache:
+        return RowCache(self, row)
+
+
+class RowCache:
+    """One row of a BatchCache as the prompt cache reads and writes a cache: `update` appends
+    entries, `layers[i].keys` / `.values` are the row's entries so far."""
+
+    def __init__(self, cache: BatchCache, row: int):
+        self.cache, self.row = cache, row
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> None:
+        cache, row = self.cache, self.row
+        start, end = cache.lengths[row], cache.lengths[row] + keys.shape[2]
+        cache.reserve(end)
+        cache.keys[layer_idx][row, :, start:end] = keys[0]
+        cache.values[layer_idx][row, :, start:end] = values[0]
+        if layer_idx == cache.layers - 1:
+            cache.lengths[row] = end
+
+    @property
+    def layers(self) -> list:
+        cache, row, length = self.cache, self.row, self.cache.lengths[self.row]
+        return [
+            _Entries(cache.keys[i][row : row + 1, :, :length], cache.values[i][row : row + 1, :, :length])
+            for i in range(cache.layers)
+        ]
+
+    def get_seq_length(self) -> int:
+        return self.cache.lengths[self.row]
+
+
+@dataclass(frozen=True)
+class _Entries:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class BatchForward:
+    """One forward of a model over several rows of a BatchCache, returning each row's logits."""
+
+    def __init__(self, model: PreTrainedModel, *, context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+        self.model = model
+        self.context = context
+        self.device = model.device
+        self.mask_dtype = next(model.parameters()).dtype
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
+
+    @torch.inference_mode()
+    def __call__(self, cache: BatchCache, inputs: Sequence[Fed], last_only: bool = False) -> list[torch.Tensor]:
+        """Logits `[len(tokens), vocab]` per input, in order (`last_only`: the last token's alone,
+        `[1, vocab]`: a prompt's chunk needs no more)."""
+        fed = max(len(i.tokens) for i in inputs)
+        rows = [i.row for i in inputs]
+        lengths = [cache.lengths[r] for r in rows]
+        cache.begin(rows, fed)
+        # Built on the host, whatever torch's default device: only the finished arrays cross to the model's.
+        ids = np.zeros((len(inputs), fed), dtype=np.int64)
+        depths = np.zeros((len(inputs), fed), dtype=np.int64)
+        for b, item in enumerate(inputs):
+            ids[b, : len(item.tokens)] = item.tokens
+            depths[b, : len(item.tokens)] = _depths(item)
+            depths[b, len(item.tokens) :] = np.arange(len(item.tokens), fed)  # padding: positions of its own
+        positions = torch.from_numpy(depths).to(self.device) + torch.tensor(lengths, device=self.device)[:, None]
+        mask = self._mask(inputs, lengths, fed, cache.get_seq_length())
+        keep = {"logits_to_keep": 1} if last_only and self._keeps_logits and len({len(i.tokens) for i in inputs}) == 1 else {}
+        with self.context(), shared_kv_heads(self.device):
+            logits = self.model(
+                input_ids=torch.from_numpy(ids).to(self.device), position_ids=positions, attention_mask=mask,
+                use_cache=True, **{self._cache_keyword: cache}, **keep,
+            ).logits  # fmt: skip
+        if last_only:
+            return [logits[b, len(item.tokens) - 1 if not keep else -1][None] for b, item in enumerate(inputs)]
+        return [logits[b, : len(item.tokens)] for b, item in enumerate(inputs)]
+
+    def _mask(self, inputs: Sequence[Fed], lengths: list[int], fed: int, seen: int) -> torch.Tensor:
+        """Additive `[rows, 1, fed, seen]`: a row's tokens see its cached entries, themselves and
+        their ancestors among the fed; padding sees only itself."""
+        visible = np.zeros((len(inputs), fed, seen), dtype=bool)
+        for b, (item, past) in enumerate(zip(inputs, lengths)):
+            visible[b, :, :past] = True
+            visible[b, :, past : past + fed] = _visible(item, fed)
+            visible[b, len(item.tokens) :, :past] = False  # padding reads nothing real
+        mask = torch.full((len(inputs), 1, fed, seen), torch.finfo(self.mask_dtype).min, dtype=self.mask_dtype, device=self.device)
+        return mask.masked_fill_(torch.from_numpy(visible).to(self.device)[:, None], 0)
+
+
+    @torch.inference_mode()
+    def rows_unsupported(self, single: TreeForward) -> str:
+        """Why the model's forward does not take the rows of a BatchCache ("" when it does): checked
+        on real forwards, two rows of other lengths fed together must each get the logits the
+        model's forward on a cache of their own gives them, as a model that ignores the mask or
+        the positions would not."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        prompts = [[(7 * i + 3) % vocab for i in range(1, 6)], [(5 * i + 2) % vocab for i in range(1, 3)]]
+        fed = [[9 % vocab, 4 % vocab], [6 % vocab]]
+        try:
+            cache = BatchCache(self.model)
+            rows = [cache.add_row() for _ in prompts]
+            self(cache, [Fed(r, p) for r, p in zip(rows, prompts)])
+            for row, prompt in zip(rows, prompts):
+                cache.advance(row, len(prompt))
+            together = self(cache, [Fed(r, tokens, [ROOT, *range(len(tokens) - 1)]) for r, tokens in zip(rows, fed)])
+            alone = []
+            for prompt, tokens in zip(prompts, fed):
+                own = make_cache(self.model)
+                single.prefill(own, prompt)
+                alone.append(single.chain(own, tokens[0], DraftTree.chain(tokens[1:])))
+        except Exception as exc:  # noqa: BLE001 - any failure means this model's forward takes no rows
+            return f"a batched forward failed: {type(exc).__name__}: {exc}"
+        for got, want in zip(together, alone):
+            want = want.float()
+            if (got.float() - want).abs().max().item() > 0.02 * (want.abs().max().item() + 1e-6):
+                return "a batched forward's logits differ from each row's own"
+        return ""
+
+
+def _depths(item: Fed) -> np.ndarray:
+    if item.parents is None:
+        return np.arange(len(item.tokens))
+    depths = np.zeros(len(item.tokens), dtype=np.int64)
+    for i, p in enumerate(item.parents):
+        depths[i] = 0 if p == ROOT else depths[p] + 1
+    return depths
+
+
+def _visible(item: Fed, fed: int) -> np.ndarray:
+    """`[fed, fed]`: whom each fed token sees among the fed (itself and its ancestors)."""
+    if item.parents is None:
+        visible = np.tril(np.ones((fed, fed), dtype=bool))
+        visible[len(item.tokens) :] = np.eye(fed, dtype=bool)[len(item.tokens) :]
+        return visible
+    visible = np.eye(fed, dtype=bool)
+    for i, p in enumerate(item.parents):
+        if p != ROOT:
+            visible[i] |= visible[p]
+    return visible
