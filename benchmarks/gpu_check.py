@@ -217,27 +217,28 @@ def forward_cost_markdown(costs: dict, dtype: torch.dtype, device_name: str) -> 
 
 
 class ForwardClock:
-    """Seconds inside each of an engine's target forwards (prefill first), read by wrapping the one
-    function every target forward goes through (`TreeForward._logits`). Synchronized on CUDA, so the
-    GPU's work is counted here and not in the read-back of the accepted tokens that follows it."""
+    """Seconds inside each of an engine's target forwards (prefill first), read by wrapping the
+    target model's `forward`, which every target forward calls, one sequence's or a batch's.
+    Synchronized on CUDA, so the GPU's work is counted here and not in the read-back of the accepted
+    tokens that follows it."""
 
     def __init__(self, engine: SpeculativeEngine):
         self.seconds: list[float] = []
-        self._forward = engine._forward
-        inner, device = self._forward._logits, self._forward.device
+        self._model = engine.model
+        inner, device = self._model.forward, self._model.device
 
-        def timed(cache, **inputs):
+        def timed(*args, **kwargs):
             sync(device)
             started = time.perf_counter()
-            logits = inner(cache, **inputs)
+            output = inner(*args, **kwargs)
             sync(device)
             self.seconds.append(time.perf_counter() - started)
-            return logits
+            return output
 
-        self._forward._logits = timed  # an instance attribute shadows the method; `remove` deletes it
+        self._model.forward = timed  # an instance attribute shadows the method; `remove` deletes it
 
     def remove(self) -> None:
-        del self._forward._logits
+        del self._model.forward
 
 
 @dataclass

@@ -131,36 +131,34 @@ def test_a_body_sent_slowly_gets_a_408(engine):
         assert httpx.post(f"{url}/chat/completions", json=json.loads(body), timeout=60).status_code == 200
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_ends_every_stream_with_a_finish_chunk_and_the_process_exits_0(sig):
-    """`rag-speculate serve` in a process of its own: on the signal, the running stream gets a last
-    chunk whose finish_reason says why and [DONE], the queued request a 503, and the process exits 0
-    within its grace period."""
+@pytest.mark.parametrize(("sig", "running_streams"), [(signal.SIGTERM, True), (signal.SIGINT, False)],
+                         ids=["SIGTERM, a stream running", "SIGINT, a whole answer running"])
+def test_a_signal_ends_the_running_answer_refuses_the_queued_one_and_exits_0(sig, running_streams):
+    """`rag-speculate serve` in a process of its own: on the signal, a running stream gets a last chunk
+    whose finish_reason says why and [DONE] (a running whole answer, a 503), the queued request a 503,
+    and the process exits 0 within its grace period."""
     port = free_port()
     command = [sys.executable, "-m", "rag_speculate", "serve", "--model", MODEL, "--dtype", "float32", "--device", "cpu",
                "--threads", "1", "--port", str(port), "--shutdown-timeout", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/v1"
+    answers: dict[str, tuple] = {}
+
+    def ask(role: str, stream: bool) -> None:
+        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 4000, "temperature": 0, "stream": stream}
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=120) as response:
+            answers[role] = (response.status_code, response.headers, list(response.iter_lines()))
+
     try:
         wait_until(lambda: _up(url) or process.poll() is not None, timeout=300, what="the server to start")
         assert process.poll() is None, process.stdout.read()
-        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 4000, "temperature": 0, "stream": True}
-        running_stream, queued = {}, {}
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{url}/completions", json=body, timeout=120) as response:
-                running_stream["events"] = events(response.iter_lines())
-
-        def wait() -> None:
-            with httpx.stream("POST", f"{url}/completions", json=body, timeout=120) as response:
-                queued["status"], queued["headers"] = response.status_code, response.headers
-
-        threads = [threading.Thread(target=stream), threading.Thread(target=wait)]
+        threads = [threading.Thread(target=ask, args=("running", running_streams)),
+                   threading.Thread(target=ask, args=("queued", not running_streams))]
         threads[0].start()
-        wait_until(lambda: _gauge(url, "running_requests") == 1, timeout=60, what="the stream to start")
+        wait_until(lambda: _gauge(url, "running_requests") == 1, timeout=60, what="the first request to start")
         threads[1].start()
         wait_until(lambda: _gauge(url, "queue_length") == 1, timeout=60, what="the second request to queue")
-        time.sleep(0.5)  # a few chunks out
+        time.sleep(0.5)  # a few tokens out
         signalled = time.monotonic()
         process.send_signal(sig)
         assert process.wait(timeout=60) == 0
@@ -171,11 +169,16 @@ def test_a_signal_ends_every_stream_with_a_finish_chunk_and_the_process_exits_0(
         if process.poll() is None:
             process.kill()
         output = process.communicate()[0]
-    data = running_stream["events"]
-    assert data[-1] == "[DONE]", output
-    finals = [json.loads(d)["choices"][0]["finish_reason"] for d in data[:-1]]
-    assert finals[-1] == "shutdown" and all(f is None for f in finals[:-1])
-    assert queued["status"] == 503 and int(queued["headers"]["Retry-After"]) >= 1
+    status, headers, lines = answers["running"]
+    if running_streams:
+        data = events(lines)
+        assert status == 200 and data[-1] == "[DONE]", output
+        finals = [json.loads(d)["choices"][0]["finish_reason"] for d in data[:-1]]
+        assert finals[-1] == "shutdown" and all(f is None for f in finals[:-1])
+    else:
+        assert status == 503 and int(headers["Retry-After"]) >= 1 and "shutting down" in "".join(lines), output
+    status, headers, _ = answers["queued"]
+    assert status == 503 and int(headers["Retry-After"]) >= 1
     assert "Traceback" not in output
 
 
