@@ -7,7 +7,9 @@ then a second turn timed for every method:
 - Natural Questions: two questions whose gold passage comes from the same article; the first is
   answered over the passages the shipped index retrieves for it, the second asked as a follow-up
   over the same passages.
-The first turns also price a miss: ours with an emptied cache against ours without one.
+The first turns also price a miss: ours with an emptied cache against ours without one. "ours, disk"
+is a restarted process: an engine with no memory tier, reading the blocks the cached engine wrote
+through to the shared `--disk` folder (`prompt_cache_dir`).
 
     python3 benchmarks/prompt_cache_bench.py --n 4 --max-new-tokens 64 --out benchmarks/results/prompt_cache
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,7 +34,7 @@ from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_dev.jsonl"
-METHODS = ("generate", "ours, no cache", "ours, cache")
+METHODS = ("generate", "ours, no cache", "ours, cache", "ours, disk")
 
 
 def conversations(index: CorpusIndex, n: int) -> list[dict]:
@@ -60,14 +63,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prompt_cache"))
+    parser.add_argument("--disk", type=Path, default=None, help="the disk tier's folder (default: a new temporary one)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    cached = SpeculativeEngine.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device="cpu")
+    folder = args.disk or Path(tempfile.mkdtemp(prefix="prompt-cache-"))
+    cached = SpeculativeEngine.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device="cpu", prompt_cache_dir=folder)
     uncached = SpeculativeEngine(cached.model, cached.tokenizer, NGramTrieDrafter(), prompt_cache_bytes=0)
+    restarted = SpeculativeEngine(cached.model, cached.tokenizer, NGramTrieDrafter(), prompt_cache_bytes=0, prompt_cache_dir=folder)
     index = CorpusIndex.build(nq_documents(), cache_dir() / "indexes" / f"nq-{Path(args.model).name}", tokenizer=cached.tokenizer)
     items = conversations(index, args.n)
-    for engine in (cached, uncached):  # warm-up: cost curves and one-off allocations
+    for engine in (cached, uncached, restarted):  # warm-up: cost curves and one-off allocations
         engine.generate([1, 2, 3, 4], max_new_tokens=4)
 
     rows = []
@@ -82,19 +88,20 @@ def main() -> None:
         answer = miss["ours, cache"].text
         second = [*item["first"], {"role": "assistant", "content": answer}, {"role": "user", "content": item["second"]}]
         second_ids = cached.encode_prompt(second, chat=True)
+        cached.prompt_cache.store.flush()  # the first turn's blocks on disk, as a restarted process finds them
         runs = {}
         for name in _rotated(list(METHODS), i):
             if name == "generate":
                 runs[name] = _stock(cached, second_ids, args.max_new_tokens)
             else:
-                engine = cached if name == "ours, cache" else uncached
+                engine = {"ours, cache": cached, "ours, no cache": uncached, "ours, disk": restarted}[name]
                 runs[name] = _ours(engine, second_ids, item["documents"], args.max_new_tokens)
         rows.append({"item": item["id"], "kind": item["kind"], "prompt_tokens": len(second_ids),
-                     "reused": runs["ours, cache"]["reused"],
+                     "reused": runs["ours, cache"]["reused"], "reused_from_disk": runs["ours, disk"]["reused"],
                      "miss_ttft": {k: r.stats.time_to_first_token_s for k, r in miss.items()},
                      "miss_total": {k: r.stats.time_to_first_token_s + r.stats.decode_s for k, r in miss.items()},
                      "runs": runs,
-                     "warm_equals_cold": runs["ours, cache"]["tokens"] == runs["ours, no cache"]["tokens"]})
+                     "warm_equals_cold": runs["ours, cache"]["tokens"] == runs["ours, disk"]["tokens"] == runs["ours, no cache"]["tokens"]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "runs"} | {m: {k: round(v, 3) for k, v in r.items() if k in ("ttft_s", "total_s")} for m, r in runs.items()}), flush=True)
     table = markdown(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +131,9 @@ def _ours(engine: SpeculativeEngine, ids: list[int], documents, max_new_tokens: 
 
 def markdown(rows: list[dict]) -> str:
     """Per kind: median second-turn prompt, tokens reused, TTFT and end-to-end per method, the miss's cost."""
-    lines = ["| conversations | prompt tokens | reused | TTFT: generate / no cache / cache (s) | end to end: generate / no cache / cache (s) "
-             "| TTFT cache vs no cache | miss: cache vs no cache (end to end) | warm = cold |",
+    lines = ["| conversations | prompt tokens | reused: memory / disk | TTFT: generate / no cache / cache / disk (s) "
+             "| end to end: generate / no cache / cache / disk (s) | TTFT vs no cache: cache / disk "
+             "| miss: cache vs no cache (end to end) | warm = disk = cold |",
              "|---|---|---|---|---|---|---|---|"]
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
@@ -135,11 +143,15 @@ def markdown(rows: list[dict]) -> str:
 
         ttft = " / ".join(f"{med(m, 'ttft_s'):.2f}" for m in METHODS)
         total = " / ".join(f"{med(m, 'total_s'):.2f}" for m in METHODS)
-        ratio = statistics.median(r["runs"]["ours, cache"]["ttft_s"] / r["runs"]["ours, no cache"]["ttft_s"] for r in mine)
+        ratio = " / ".join(
+            f'{statistics.median(r["runs"][m]["ttft_s"] / r["runs"]["ours, no cache"]["ttft_s"] for r in mine):.2f}x'
+            for m in ("ours, cache", "ours, disk")
+        )
         miss = statistics.median(r["miss_total"]["ours, cache"] / r["miss_total"]["ours, no cache"] for r in mine)
         lines.append(
             f"| {kind} ({len(mine)}) | {statistics.median(r['prompt_tokens'] for r in mine):.0f} | "
-            f"{statistics.median(r['reused'] for r in mine):.0f} | {ttft} | {total} | {ratio:.2f}x | {miss:.3f}x | "
+            f"{statistics.median(r['reused'] for r in mine):.0f} / {statistics.median(r['reused_from_disk'] for r in mine):.0f} | "
+            f"{ttft} | {total} | {ratio} | {miss:.3f}x | "
             f"{sum(r['warm_equals_cold'] for r in mine)}/{len(mine)} |"
         )
     return "\n".join(lines)

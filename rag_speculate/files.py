@@ -217,6 +217,26 @@ def _leftovers(path: Path) -> list[tuple[Path, str, bool]]:
     return found
 
 
+# Any temporary file `sibling` names: the file it stands in for, the machine and the process that made it.
+_TEMPORARY = re.compile(r"\.(.+)\.([0-9a-f]{8})-(\d+)\.[0-9a-f]{32}\.tmp")
+
+
+def remove_dead_temporaries(folder: Path) -> None:
+    """Remove the temporary files (`sibling(..., "tmp")`) that dead processes of this machine left in
+    `folder`, whatever file they stood in for; a live process's, and another machine's, stay."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match and not _may_be_alive(match.group(2), match.group(3)):
+            try:
+                _remove(Path(entry.path))
+            except OSError:  # best effort, as `recover`
+                pass
+
+
 def _may_be_alive(host: str | None, pid: str | None) -> bool:
     if host is None:  # a name from before names recorded their process
         return False

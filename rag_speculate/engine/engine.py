@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import platform
 import warnings
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ class SpeculativeEngine:
         name: str | None = None,
         fast_kernels: bool | None = None,
         prompt_cache_bytes: int | None = None,
+        prompt_cache_dir: str | os.PathLike | None = None,
+        prompt_cache_disk_bytes: int | None = None,
         max_batch: int | None = None,
         kv_cache_bytes: int | None = None,
         prefill_chunk: int | None = None,
@@ -85,7 +88,10 @@ class SpeculativeEngine:
         True requires them, False keeps torch's; a draft model's forwards follow the same choice.
         `prompt_cache_bytes`: memory for the KV entries of prompts and answers seen before
         (`prompt_cache.py`), reused by later requests that begin with the same tokens; None makes
-        room for some tens of thousands of tokens, 0 turns it off. `max_batch`: generations run
+        room for some tens of thousands of tokens, 0 turns it off. `prompt_cache_dir`: a folder for
+        its disk tier, shared by every process and replica that names it (created private to the
+        user; refused if another user could change it), holding `prompt_cache_disk_bytes` (None: 8 GiB)
+        of entries that survive restarts; None: memory only. `max_batch`: generations run
         together at most (1: one at a time); `kv_cache_bytes`: memory for the running generations'
         KV entries (a request that does not fit waits; None: room for `max_batch` sequences of 8,192
         tokens); `prefill_chunk`: prompt tokens a joining generation feeds per step while others decode."""
@@ -122,7 +128,9 @@ class SpeculativeEngine:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes)
+        self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes, folder=prompt_cache_dir,
+                                                  disk_bytes=prompt_cache_disk_bytes, kernels=self.fast_kernels)  # fmt: skip
+        self.prompt_cache.warm_with(self._warm)
         batched = BatchForward(model, context=context or contextlib.nullcontext)
         # Why generations run one at a time here ("" when they run together).
         self.batching_unsupported = unsupported(model) or ("" if self.tree_attention else "it verifies chains only")
@@ -163,7 +171,7 @@ class SpeculativeEngine:
     ) -> SpeculativeEngine:
         """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id;
         `options` as the constructor takes them (`draft_budget`, `fast_kernels`, `prompt_cache_bytes`,
-        `max_batch`, `kv_cache_bytes`, `prefill_chunk`).
+        `prompt_cache_dir`, `prompt_cache_disk_bytes`, `max_batch`, `kv_cache_bytes`, `prefill_chunk`).
 
         `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
         on CPUs that compute in it, else fp32 (`devices.default_dtype`).
@@ -241,6 +249,15 @@ class SpeculativeEngine:
         """The token ids `generate` would use for this prompt (and these tools, with `chat=True`)."""
         return self._inputs.prompt_ids(prompt, chat=chat, tools=tools)
 
+    def _warm(self, prompts: Sequence[Prompt], options: dict[str, Any]) -> int:
+        """`prompt_cache.warm`: each prompt run for one new token, all together, so its entries land in
+        the cache; a list of messages is a chat unless `chat` says otherwise. The prompt tokens prefilled."""
+        chat = options.pop("chat", None)
+        options["max_new_tokens"] = 1
+        requests = [self.prepare(p, chat=_is_chat(p) if chat is None else chat, **options) for p in prompts]
+        results = [stream.collect() for stream in [self.stream_request(r) for r in requests]]
+        return sum(r.stats.prompt_tokens - r.stats.cached_prompt_tokens for r in results)
+
     def _costs(self) -> CostModel:
         """The target's forward cost by tokens fed: assigned, saved for this model and machine, or timed now."""
         if self.cost_model is None:
@@ -265,6 +282,10 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
     if isinstance(drafter, Sequence) and not isinstance(drafter, str):
         return drafter[0] if len(drafter) == 1 and isinstance(drafter[0], Drafter) else CombinedDrafter(drafter)
     raise InvalidArgumentError(f"drafter must be a Drafter or a list of them, got {type(drafter).__name__}")
+
+
+def _is_chat(prompt: Prompt) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 def _costs_path(engine: SpeculativeEngine) -> Path:

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..decoding.batch import BatchCache, BatchForward, Fed
 from ..decoding.forward import TreeForward
 from ..decoding.kv_cache import keep_cache_entries, make_cache, sliding_window
-from ..decoding.prompt_cache import PromptCache
+from ..decoding.prompt_cache import PromptCache, Reused
 from ..decoding.tree import ROOT, DraftTree
 
 
@@ -27,11 +27,11 @@ class BatchRunner:
         self.cache = BatchCache(model)
         self.rows: dict[int, int] = {}  # sequence id -> row
 
-    def add(self, key: int, prompt: Sequence[int], longest: int) -> int:
+    def add(self, key: int, prompt: Sequence[int], longest: int) -> Reused:
         """A row for sequence `key` (which may grow to `longest` entries), holding the longest cached
-        prefix of `prompt`; its length."""
+        prefix of `prompt` (from memory, then disk)."""
         row = self.rows[key] = self.cache.add_row()
-        return self.prompt_cache.load(self.model, prompt, self.cache.row_cache(row))
+        return self.prompt_cache.fetch(self.model, prompt, self.cache.row_cache(row))
 
     def prefill(self, key: int, tokens: list[int]) -> torch.Tensor:
         """Feed a chunk of the prompt; the logits after its last token."""
@@ -74,12 +74,12 @@ class SequentialRunner:
         self._tree: dict[int, bool] = {}
         self._fed: dict[int, int] = {}
 
-    def add(self, key: int, prompt: Sequence[int], longest: int) -> int:
+    def add(self, key: int, prompt: Sequence[int], longest: int) -> Reused:
         cache = self.caches[key] = make_cache(self.model)
         # Tree verification, unless the model cannot, or a sliding window would outgrow its past.
         window = sliding_window(cache)
         self._tree[key] = self.tree_attention and (window is None or longest < window)
-        return self.prompt_cache.load(self.model, prompt, cache)
+        return self.prompt_cache.fetch(self.model, prompt, cache)
 
     def prefill(self, key: int, tokens: list[int]) -> torch.Tensor:
         return self.forward.prefill(self.caches[key], tokens)

@@ -9,7 +9,8 @@ sampling generator, its stream. Each `step`, on the engine's thread:
    longest cached prefix from the prompt cache;
 3. one started sequence feeds a chunk of its prompt (`prefill_chunk` tokens while others decode,
    so their steps wait at most one chunk; the whole prompt when nothing else runs), and with the
-   last chunk samples its first token;
+   last chunk samples its first token (and tells the prompt cache what the prefill cost, which its
+   disk tier's loads compete with);
 4. every decoding sequence's drafter proposes, `batch_width` picks how many tokens each row feeds
    so that the batch's expected tokens per second is highest (fewer as rows are added, none where
    drafts do not pay), ONE forward verifies them all, and each row accepts its own path;
@@ -166,9 +167,10 @@ class Scheduler:
         request = sequence.request
         try:
             # At least the prompt's last token is fed: its logits give the first new token.
-            sequence.prefilled = self.runner.add(sequence.key, request.prompt_ids[:-1], longest)
+            reused = self.runner.add(sequence.key, request.prompt_ids[:-1], longest)
+            sequence.prefilled = reused.tokens
             self.running.append(sequence)
-            sequence.stats.cached_prompt_tokens = sequence.prefilled
+            sequence.stats.cached_prompt_tokens, sequence.stats.disk_cached_prompt_tokens = reused.tokens, reused.disk
             sequence.stats.verification = "tree" if self.runner.tree_mode(sequence.key) else "chain"
             costs = self.costs()
             setup_started = time.perf_counter()
@@ -188,11 +190,14 @@ class Scheduler:
             self._fail(sequence, error)
             return
         sequence.prefilled = end
-        sequence.stats.prefill_s += time.perf_counter() - started
-        if end < len(prompt):
-            return
         stats = sequence.stats
+        if end < len(prompt):
+            stats.prefill_s += time.perf_counter() - started
+            return
+        # Timed up to the first token: sampling reads it back, so a GPU's prefill has then finished.
         first = sample_token(logits, sequence.request.sampling, sequence.generator)
+        stats.prefill_s += time.perf_counter() - started
+        self.runner.prompt_cache.observe_prefill(len(prompt) - stats.cached_prompt_tokens, stats.prefill_s)
         stats.target_forwards = 1
         stats.time_to_first_token_s = time.perf_counter() - sequence.submitted
         sequence.tokens = [*prompt, first]

@@ -29,6 +29,7 @@ from ..retrieval.corpus import ChunkingOptions, CorpusIndex, read_corpus
 from .engines import rag_engine
 from .openai.config import BODY_TIMEOUT_S, SEND_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 from .prompt import Prepared, prepare
+from .warm import read_warm_file
 
 # What `--help` opens with: the commands, for a user.
 USAGE = "Answer questions over your documents with a local model, faster, with exactly its own output.\n\n" + __doc__.split("\n\n", 1)[1]
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("question")
     ask.add_argument("--embedding-model", default=None, help="the embedding model's folder, for an index built from one (default: the one its manifest names)")
     _add_answer_options(ask)
+    _add_cache_options(ask)
     _add_model_options(ask)
 
     demo = commands.add_parser("demo", help="index the shipped NQ corpus, then answer accelerated and plain")
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: engines, each a replica of its own")
     serve.add_argument("--cpus-per-replica", type=float, default=1.0, help="with --ray: the CPUs Ray reserves for each replica")
     serve.add_argument("--gpus-per-replica", type=float, default=0.0, help="with --ray: the GPUs Ray reserves for each replica")
+    serve.add_argument("--warm", type=Path, default=None,
+                       help="a JSON Lines file of prompts to prefill before the first request: each line a string, or an "
+                            'object with "prompt" or "messages" and optional "documents"')
+    _add_cache_options(serve)
     _add_model_options(serve)
 
     args = parser.parse_args(argv)
@@ -101,6 +107,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file, folder or HF id")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _add_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-cache-dir", type=Path, default=None,
+                        help="a folder for the prompt cache's disk tier: prompts prefilled once are reused after restarts "
+                             "and by every process and replica naming the same folder")
+    parser.add_argument("--prompt-cache-disk-bytes", type=int, default=None,
+                        help="what the --prompt-cache-dir folder may hold, in bytes (default: 8 GiB)")
 
 
 def _add_index_options(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +157,8 @@ def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index, embedder=args.embedding_model)
     # Refused before the weights load: an index of another tokenizer is no use to this model.
     index.check_tokenizer(load_tokenizer(args.model, progress=_progress), model=args.model)
-    engine = rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model, _progress)
+    engine = rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model, _progress,
+                        prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)  # fmt: skip
     result, prepared = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     chunks = prepared.sources
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
@@ -211,6 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         served_name=args.served_model_name, max_queued=args.max_queued, api_key=args.api_key or None,
         send_timeout_s=args.send_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
+        prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+        warm=read_warm_file(args.warm) if args.warm else (),
     )
     if args.ray:
         from .openai import ray_serve

@@ -3,6 +3,7 @@ drafting for RAG from the retrieved chunks, the corpus and a draft model (`rag_e
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -23,20 +24,27 @@ _engines: dict[tuple, SpeculativeEngine] = {}
 _engines_lock = threading.Lock()
 
 
-def shared_engine(model: str, *, dtype: str, device: Device, draft_budget: int | None) -> SpeculativeEngine:
+def shared_engine(
+    model: str, *, dtype: str, device: Device, draft_budget: int | None,
+    prompt_cache_dir: str | os.PathLike | None = None, prompt_cache_disk_bytes: int | None = None,
+) -> SpeculativeEngine:  # fmt: skip
     """One engine per configuration and process: adapters built from the same name share the weights
     (and take turns on them). `device` as `devices.resolve_device` reads it (None: CUDA when
-    available), so "cuda" and None name the same engine on a GPU machine."""
+    available), so "cuda" and None name the same engine on a GPU machine; the prompt cache's disk
+    tier as `SpeculativeEngine` takes it."""
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
     resolved = resolve_device(device)
-    key = (model, dtype, str(resolved), draft_budget)
+    # The folder as given (the engine checks it): two spellings of one folder make two engines sharing it.
+    key = (model, dtype, str(resolved), draft_budget, None if prompt_cache_dir is None else str(prompt_cache_dir),
+           repr(prompt_cache_disk_bytes))  # fmt: skip
     # Loading under the lock makes a concurrent second caller wait for this copy instead of loading another.
     with _engines_lock:
         if key not in _engines:
             _engines[key] = SpeculativeEngine.from_pretrained(
-                model, dtype=DTYPES[dtype], device=resolved, draft_budget=draft_budget
-            )
+                model, dtype=DTYPES[dtype], device=resolved, draft_budget=draft_budget,
+                prompt_cache_dir=prompt_cache_dir, prompt_cache_disk_bytes=prompt_cache_disk_bytes,
+            )  # fmt: skip
         return _engines[key]
 
 
@@ -46,10 +54,12 @@ def rag_engine(
     draft_model: str | None = None,
     progress: Callable[[str], None] | None = None,
     prompt_cache_bytes: int | None = None,
+    prompt_cache_dir: str | os.PathLike | None = None,
+    prompt_cache_disk_bytes: int | None = None,
 ) -> SpeculativeEngine:
     """`engine`'s model drafting in one tree from the retrieved chunks (trie), the whole corpus
-    (REST, with an index) and, if named, a draft model (int8 on a CPU); `prompt_cache_bytes` as
-    `SpeculativeEngine` takes it."""
+    (REST, with an index) and, if named, a draft model (int8 on a CPU); the prompt cache's options
+    as `SpeculativeEngine` takes them."""
     drafters = [NGramTrieDrafter()]
     if index is not None:
         index.check_tokenizer(engine.tokenizer, engine.name)
@@ -59,4 +69,5 @@ def rag_engine(
         if model.device.type == "cpu":
             model = int8_draft_model(model)
         drafters.append(OuroborosDrafter(model, tokenizer))
-    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name, prompt_cache_bytes=prompt_cache_bytes)
+    return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name, prompt_cache_bytes=prompt_cache_bytes,
+                             prompt_cache_dir=prompt_cache_dir, prompt_cache_disk_bytes=prompt_cache_disk_bytes)  # fmt: skip

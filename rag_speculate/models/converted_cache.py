@@ -41,6 +41,7 @@ from ..files import (
     text,
     write_new_file,
 )
+from ..fingerprint import known_weights
 from .gguf_file import Progress, gguf_path, logger, report
 from .registry import PackagedModel, resolve
 
@@ -91,8 +92,11 @@ def load_packaged_model(
     if loaded is None:
         loaded = _convert(spec, dtype, folder, progress)
     model, tokenizer = loaded
-    model.eval()
-    return model.to(target_device), tokenizer
+    model = model.eval().to(target_device)
+    # Its weights are the GGUF file's, checked against the registry's sha256, in this dtype: what the
+    # prompt cache's disk tier files its entries under, with no pass over the weights.
+    known_weights(model, f"packaged {spec.name} {spec.sha256} {_dtype_name(dtype)}")
+    return model, tokenizer
 
 
 def load_packaged_tokenizer(name: str | PackagedModel, *, progress: Progress | None = None) -> PreTrainedTokenizerBase:

@@ -205,21 +205,6 @@ def test_only_a_folder_an_index_build_wrote_is_replaced(tmp_path, index, tokeniz
     assert CorpusIndex.build(documents, index, tokenizer=tokenizer, embedder=embedder, options=OPTIONS).manifest["documents"] == 1
 
 
-@pytest.fixture
-def small_disk(tmp_path) -> Path:
-    """A 64 KiB tmpfs, where this process may mount one."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command to make a small filesystem with")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
-    if made.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    yield mount
-    # Lazily: a file the test left open (a memory map) must not keep the mount alive past it.
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_a_full_disk_is_one_message_and_the_old_index_survives(small_disk, tokenizer, embedder):
     out = small_disk / "index"
     CorpusIndex.build([Document(text) for text in TEXTS], out, tokenizer=tokenizer, embedder=embedder, options=OPTIONS)

@@ -35,6 +35,10 @@ IDENTIFYING_PARAMS = (
 )
 
 
+# Settings that configure loading a model, which an engine= already loaded has settled.
+LOADING = ("dtype", "device", "device_map", "draft_budget", "prompt_cache_dir", "prompt_cache_disk_bytes")
+
+
 # Unknown settings are rejected: a mistyped one would otherwise be silently ignored. Each model class
 # sets this again: pydantic takes the config of its last base, LangChain's, which ignores them.
 MODEL_CONFIG = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
@@ -61,6 +65,10 @@ class SpeculativeHFParams(BaseModel):
     engine runs a model on one device, so a map over several is refused."""
     draft_budget: int | None = None
     """Draft tree nodes verified per forward (None: the engine's default; 0 disables speculation)."""
+    prompt_cache_dir: str | None = None
+    """A folder for the prompt cache's disk tier, shared by every process naming it (None: memory only)."""
+    prompt_cache_disk_bytes: int | None = None
+    """What `prompt_cache_dir` may hold, in bytes (None: 8 GiB)."""
 
     max_tokens: int = Field(default=256, ge=1, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = Field(default=0.0, ge=0.0)
@@ -82,7 +90,7 @@ class SpeculativeHFParams(BaseModel):
             self.device = str(resolve_device(device_from_map(self.device_map, self.device)))
             self.device_map = None
             return self
-        loading = sorted({"dtype", "device", "device_map", "draft_budget"} & self.model_fields_set)
+        loading = sorted(set(LOADING) & self.model_fields_set)
         if loading:
             raise ValueError(f"{', '.join(loading)} configure loading a model: they cannot be combined with engine=")
         # Describe the engine as it is, so tracing and _identifying_params tell the truth.
@@ -118,8 +126,9 @@ class SpeculativeHFParams(BaseModel):
         """The engine, loaded on first use so that building the object stays cheap."""
         if self.engine is None:
             self.engine = shared_engine(
-                self.model, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget
-            )
+                self.model, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget,
+                prompt_cache_dir=self.prompt_cache_dir, prompt_cache_disk_bytes=self.prompt_cache_disk_bytes,
+            )  # fmt: skip
         return self.engine
 
     @property

@@ -8,6 +8,7 @@ from pathlib import Path
 from ...engine import SpeculativeEngine
 from ...retrieval.corpus import CorpusIndex
 from ..engines import rag_engine, shared_engine
+from ..warm import WarmPrompt, warm
 
 # A request body larger than this is refused before it is parsed.
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -27,7 +28,9 @@ class ServerConfig:
     model that embedded it, when it was built from one); `max_queued`: requests waiting for the
     engine beyond the one it runs, after which the server answers 503; `api_key`: what clients must
     send as `Authorization: Bearer KEY` (None: no key); the timeouts: `app.create_app`'s and, on
-    SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish."""
+    SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish;
+    `prompt_cache_dir` and `prompt_cache_disk_bytes`: the prompt cache's disk tier, one folder every
+    replica shares; `warm`: prompts prefilled before the first request (`entrypoints/warm.py`)."""
 
     model: str
     index: Path | None = None
@@ -42,6 +45,9 @@ class ServerConfig:
     send_timeout_s: float = SEND_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+    prompt_cache_dir: Path | None = None
+    prompt_cache_disk_bytes: int | None = None
+    warm: tuple[WarmPrompt, ...] = field(default=(), repr=False)
 
     @property
     def name(self) -> str:
@@ -55,9 +61,13 @@ class ServerConfig:
 
 def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     """The engine (drafting from the request's documents, the index's corpus and the draft model)
-    and the index, loaded and verified before the server takes a request."""
+    and the index, loaded and verified, and the warm prompts prefilled, before the server takes a
+    request."""
     base = shared_engine(config.model, dtype=config.dtype, device=config.device, draft_budget=None)
     index = None
     if config.index is not None:
         index = CorpusIndex.load(config.index, tokenizer=base.tokenizer, embedder=config.embedding_model)
-    return rag_engine(base, index, config.draft_model), index
+    engine = rag_engine(base, index, config.draft_model, prompt_cache_dir=config.prompt_cache_dir,
+                        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes)  # fmt: skip
+    warm(engine, config.warm)
+    return engine, index

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...decoding.prompt_cache import PromptCacheStats
 from ...decoding.result import GenerationStats
 
 PREFIX = "rag_speculate_"
@@ -33,6 +34,14 @@ _METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] 
     "time_to_first_token_seconds": ("histogram", "Time from arrival to the first token", (), LATENCY_BUCKETS),
     "decode_tokens_per_second": ("histogram", "Decode speed of each generation", (), SPEED_BUCKETS),
     "tokens_per_forward": ("histogram", "Tokens per target forward of each generation", (), TOKENS_PER_FORWARD_BUCKETS),
+    "prompt_cache_hits_total": ("counter", "Generations that reused cached prompt tokens, by tier", ("tier",), None),
+    "prompt_cache_tokens_total": ("counter", "Prompt tokens reused from the prompt cache, by tier", ("tier",), None),
+    "prompt_cache_bytes": ("gauge", "Bytes the prompt cache holds, by tier (the disk's folder as last scanned)", ("tier",), None),
+    "prompt_cache_disk_load_seconds_total": ("counter", "Seconds spent loading prompt cache blocks from disk", (), None),
+    "prompt_cache_disk_saved_seconds": ("gauge", "Prefill seconds the tokens read from disk would have taken", (), None),
+    "prompt_cache_disk_blocks_total": ("counter", "Prompt cache blocks on disk by outcome: written, failed, dropped, rejected, evicted",
+                                       ("outcome",), None),
+    "prompt_cache_disk_loads_skipped_total": ("counter", "Disk loads not made because prefilling was predicted faster", (), None),
 }
 
 
@@ -42,6 +51,7 @@ class Metrics:
     def __init__(self, backend: str = "prometheus"):
         self.backend = backend
         self._metrics: dict[str, Any] = {}
+        self._totals: dict[tuple, float] = {}  # the prompt cache's counters as last exported
         if backend == "prometheus":
             import prometheus_client
 
@@ -84,6 +94,29 @@ class Metrics:
             self._record("decode_tokens_per_second", "observe", stats.decode_tokens_per_s)
         if stats.target_forwards:
             self._record("tokens_per_forward", "observe", stats.tokens_per_forward)
+
+    def prompt_cache(self, stats: PromptCacheStats) -> None:
+        """The engine's prompt cache as it stands: its counters advanced to its totals, its gauges set."""
+        totals = [
+            ("prompt_cache_hits_total", {"tier": "memory"}, stats.memory_hits),
+            ("prompt_cache_hits_total", {"tier": "disk"}, stats.disk_hits),
+            ("prompt_cache_tokens_total", {"tier": "memory"}, stats.memory_tokens),
+            ("prompt_cache_tokens_total", {"tier": "disk"}, stats.disk_tokens),
+            ("prompt_cache_disk_load_seconds_total", {}, stats.disk_load_s),
+            ("prompt_cache_disk_loads_skipped_total", {}, stats.disk_loads_skipped),
+            ("prompt_cache_disk_blocks_total", {"outcome": "written"}, stats.disk_blocks_written),
+            ("prompt_cache_disk_blocks_total", {"outcome": "failed"}, stats.disk_write_failures),
+            ("prompt_cache_disk_blocks_total", {"outcome": "dropped"}, stats.disk_writes_dropped),
+            ("prompt_cache_disk_blocks_total", {"outcome": "rejected"}, stats.disk_blocks_rejected),
+            ("prompt_cache_disk_blocks_total", {"outcome": "evicted"}, stats.disk_blocks_evicted),
+        ]
+        for name, tags, total in totals:
+            seen = (name, *tags.values())
+            self._record(name, "inc", total - self._totals.get(seen, 0), **tags)
+            self._totals[seen] = total
+        self._record("prompt_cache_bytes", "set", stats.bytes, tier="memory")
+        self._record("prompt_cache_bytes", "set", stats.disk_bytes, tier="disk")
+        self._record("prompt_cache_disk_saved_seconds", "set", stats.disk_saved_s)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format (the prometheus backend only)."""

@@ -4,8 +4,10 @@
 same routes, checks and responses as on a standalone server. Ray's router sends a request to a
 replica with room (`max_ongoing_requests`: the one generation an engine runs, and the next, already
 tokenized, so the engine never idles between them) and holds the rest in its own queue up to
-`max_queued_requests`, past which it answers 503: requests wait where any replica can take them. Each replica keeps its own prompt cache and phrase pool; the index files are opened
-read-only, the token arrays memory-mapped, so replicas on one node share them in the page cache.
+`max_queued_requests`, past which it answers 503: requests wait where any replica can take them. Each replica keeps its own phrase pool and its prompt cache's
+memory tier; with `prompt_cache_dir` they share one disk tier, so a prefix one replica prefilled is a hit
+for the others (on one node, or a folder every node mounts). The index files are opened read-only, the
+token arrays memory-mapped, so replicas on one node share them in the page cache.
 Cancellation reaches a replica's request only at an `await`: the engine's steps run on a worker
 thread, so the awaiting request is cancelled at once and stops the generation at its next step.
 """

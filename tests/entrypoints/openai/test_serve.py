@@ -4,6 +4,7 @@ in-process engine's, streaming, usage, retrieval, metrics, and a clear 400 for e
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -127,7 +128,7 @@ def test_prompt_cache_shows_in_usage(client):
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
 
 
-def test_models_health_and_metrics(client, base_url):
+def test_models_health_and_metrics(client, base_url, server):
     assert [m.id for m in client.models.list()] == [MODEL]
     root = base_url.removesuffix("/v1")
     assert httpx.get(f"{root}/health").json()["status"] == "ok"
@@ -138,6 +139,11 @@ def test_models_health_and_metrics(client, base_url):
                  "rag_speculate_decode_tokens_per_second_bucket", 'rag_speculate_drafted_tokens_total{drafter="ngram_trie"}'):
         assert name in metrics, name
     assert 'rag_speculate_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    # The prompt cache by tier: memory only here (no --prompt-cache-dir), its bytes as the engine counts them.
+    held = re.search(r'rag_speculate_prompt_cache_bytes\{tier="memory"\} (\S+)', metrics)
+    assert held and float(held.group(1)) == server.engine.prompt_cache.stats().bytes > 0
+    assert 'rag_speculate_prompt_cache_bytes{tier="disk"} 0.0' in metrics
+    assert 'rag_speculate_prompt_cache_tokens_total{tier="memory"}' in metrics
 
 
 def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):

@@ -1,5 +1,6 @@
 """Two replicas of the server on a local Ray Serve instance, through Ray's HTTP proxy on 127.0.0.1:
-both run and report metrics, answers match the in-process engine's, errors keep OpenAI's shape, and
+both run and report metrics, answers match the in-process engine's, a prompt another process
+prefilled is a hit in each replica through the shared disk tier, errors keep OpenAI's shape, and
 clients that disconnect free the engines."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 from packaged_fixtures import DOCUMENT, MODEL
 
 from rag_speculate.entrypoints.openai.background import free_port
@@ -25,7 +27,13 @@ METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def ray_url():
+def cache_dir(tmp_path_factory):
+    """The prompt cache's disk tier, one folder for both replicas and this process."""
+    return tmp_path_factory.mktemp("prompt-cache")
+
+
+@pytest.fixture(scope="module")
+def ray_url(cache_dir):
     from ray import serve
 
     from rag_speculate.entrypoints.openai import ServerConfig
@@ -36,7 +44,7 @@ def ray_url():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=QUEUED)
+        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=QUEUED, prompt_cache_dir=cache_dir)
         serve.run(application(config, replicas=2, cpus_per_replica=1), name="rag-speculate", route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -70,6 +78,28 @@ def test_two_replicas_answer_as_the_engine_does(ray_url):
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(ask, range(8)))
     assert answers == [expected[i % 4] for i in range(8)]
+
+
+def test_a_prefix_another_process_prefilled_is_a_hit_in_every_replica(ray_url, cache_dir):
+    """This process prefills a prompt into the shared folder; then every request for it, whichever
+    replica takes it, reuses its full blocks: the first a replica sees can only come from disk."""
+    from rag_speculate import SpeculativeEngine
+
+    prompt = f"{DOCUMENT}\n\nQuestion: what is the tower made of?\nAnswer:"
+    writer = SpeculativeEngine.from_pretrained(MODEL, dtype=torch.float32, device="cpu", prompt_cache_dir=cache_dir)
+    expected = writer.generate(prompt, max_new_tokens=8)
+    writer.prompt_cache.store.flush()
+    blocks = (expected.stats.prompt_tokens - 1) // 64 * 64
+    assert blocks > 0
+    client = openai.OpenAI(base_url=ray_url, api_key="unused", max_retries=0, timeout=120)
+
+    def ask(_: int):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(ask, range(8)))
+    assert {r.choices[0].text for r in responses} == {expected.text}
+    assert all(r.usage.prompt_tokens_details.cached_tokens >= blocks for r in responses)
 
 
 def test_metrics_carry_each_replicas_tag(ray_url):

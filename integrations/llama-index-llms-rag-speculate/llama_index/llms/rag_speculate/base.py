@@ -44,7 +44,7 @@ CALL_ARGUMENTS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k
 CHAT_ARGUMENTS = (*CALL_ARGUMENTS, "tools", "tool_choice")
 _ROLES = (MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT)
 _TOOL_ROLES = (MessageRole.TOOL, MessageRole.FUNCTION)
-_LOADING = ("dtype", "device", "device_map", "draft_budget")
+_LOADING = ("dtype", "device", "device_map", "draft_budget", "prompt_cache_dir", "prompt_cache_disk_bytes")
 
 
 class SpeculativeHFLLM(FunctionCallingLLM):
@@ -71,6 +71,8 @@ class SpeculativeHFLLM(FunctionCallingLLM):
     device_map: str = Field(default="auto", description='As HuggingFaceLLM takes it, for one device: "auto" (CUDA when available, else the CPU), "cuda:0", "cpu".')
     device: str | None = Field(default=None, description='"cpu", "cuda", "cuda:N" or "mps"; None: as device_map says.')
     draft_budget: int | None = Field(default=None, description="Draft nodes verified per forward (0: no speculation).")
+    prompt_cache_dir: str | None = Field(default=None, description="A folder for the prompt cache's disk tier, shared by every process naming it (None: memory only).")
+    prompt_cache_disk_bytes: int | None = Field(default=None, description="What prompt_cache_dir may hold, in bytes (None: 8 GiB).")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated at most (the metadata's num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -91,8 +93,9 @@ class SpeculativeHFLLM(FunctionCallingLLM):
             super().__init__(model_name=model_name, **kwargs)
             self.device = str(resolve_device(device_from_map(self.device_map, self.device)))
             self._engine = shared_engine(
-                model_name, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget
-            )
+                model_name, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget,
+                prompt_cache_dir=self.prompt_cache_dir, prompt_cache_disk_bytes=self.prompt_cache_disk_bytes,
+            )  # fmt: skip
             return
         loading = sorted(set(_LOADING) & set(kwargs))
         if loading:
