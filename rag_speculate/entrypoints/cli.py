@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queued", type=int, default=16, help="requests that may wait for the engine; more get 503")
+    serve.add_argument("--max-batch", type=int, default=None,
+                       help="generations the engine runs together, every step one forward for all (default: 8)")
     serve.add_argument("--api-key", default=os.environ.get("RAG_SPECULATE_API_KEY"),
                        help="require Authorization: Bearer KEY on every endpoint but /health (default: $RAG_SPECULATE_API_KEY)")
     serve.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S,
@@ -224,7 +226,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-        served_name=args.served_model_name, max_queued=args.max_queued, api_key=args.api_key or None,
+        served_name=args.served_model_name, max_queued=args.max_queued, max_batch=args.max_batch, api_key=args.api_key or None,
         send_timeout_s=args.send_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         warm=read_warm_file(args.warm) if args.warm else (),

@@ -56,10 +56,11 @@ def rag_engine(
     prompt_cache_bytes: int | None = None,
     prompt_cache_dir: str | os.PathLike | None = None,
     prompt_cache_disk_bytes: int | None = None,
+    max_batch: int | None = None,
 ) -> SpeculativeEngine:
     """`engine`'s model drafting in one tree from the retrieved chunks (trie), the whole corpus
     (REST, with an index) and, if named, a draft model (int8 on a CPU); the prompt cache's options
-    as `SpeculativeEngine` takes them."""
+    and `max_batch` as `SpeculativeEngine` takes them."""
     drafters = [NGramTrieDrafter()]
     if index is not None:
         index.check_tokenizer(engine.tokenizer, engine.name)
@@ -70,4 +71,4 @@ def rag_engine(
             model = int8_draft_model(model)
         drafters.append(OuroborosDrafter(model, tokenizer))
     return SpeculativeEngine(engine.model, engine.tokenizer, drafters, name=engine.name, prompt_cache_bytes=prompt_cache_bytes,
-                             prompt_cache_dir=prompt_cache_dir, prompt_cache_disk_bytes=prompt_cache_disk_bytes)  # fmt: skip
+                             prompt_cache_dir=prompt_cache_dir, prompt_cache_disk_bytes=prompt_cache_disk_bytes, max_batch=max_batch)  # fmt: skip

@@ -29,6 +29,7 @@ class ServerConfig:
     engine beyond the one it runs, after which the server answers 503; `api_key`: what clients must
     send as `Authorization: Bearer KEY` (None: no key); the timeouts: `app.create_app`'s and, on
     SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish;
+    `max_batch`: generations the engine runs together (None: its default; `SpeculativeEngine`);
     `prompt_cache_dir` and `prompt_cache_disk_bytes`: the prompt cache's disk tier, one folder every
     replica shares; `warm`: prompts prefilled before the first request (`entrypoints/warm.py`)."""
 
@@ -40,6 +41,7 @@ class ServerConfig:
     dtype: str = "auto"
     served_name: str | None = None
     max_queued: int = 16
+    max_batch: int | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     api_key: str | None = field(default=None, repr=False)
     send_timeout_s: float = SEND_TIMEOUT_S
@@ -68,6 +70,6 @@ def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     if config.index is not None:
         index = CorpusIndex.load(config.index, tokenizer=base.tokenizer, embedder=config.embedding_model)
     engine = rag_engine(base, index, config.draft_model, prompt_cache_dir=config.prompt_cache_dir,
-                        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes)  # fmt: skip
+                        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes, max_batch=config.max_batch)  # fmt: skip
     warm(engine, config.warm)
     return engine, index

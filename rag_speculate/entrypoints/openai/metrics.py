@@ -18,6 +18,7 @@ PREFIX = "rag_speculate_"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 SPEED_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 TOKENS_PER_FORWARD_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 # name -> (kind, description, labels, buckets)
 _METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
@@ -34,6 +35,9 @@ _METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] 
     "time_to_first_token_seconds": ("histogram", "Time from arrival to the first token", (), LATENCY_BUCKETS),
     "decode_tokens_per_second": ("histogram", "Decode speed of each generation", (), SPEED_BUCKETS),
     "tokens_per_forward": ("histogram", "Tokens per target forward of each generation", (), TOKENS_PER_FORWARD_BUCKETS),
+    "engine_queue_seconds": ("histogram", "Time a generation waited in the engine for a row (KV room, a free slot)", (), LATENCY_BUCKETS),
+    "batch_size": ("histogram", "Generations sharing each decoding step of each generation", (), BATCH_BUCKETS),
+    "step_tokens": ("histogram", "Tokens each row fed to a decoding step (1: no draft verified)", (), BATCH_BUCKETS),
     "prompt_cache_hits_total": ("counter", "Generations that reused cached prompt tokens, by tier", ("tier",), None),
     "prompt_cache_tokens_total": ("counter", "Prompt tokens reused from the prompt cache, by tier", ("tier",), None),
     "prompt_cache_bytes": ("gauge", "Bytes the prompt cache holds, by tier (the disk's folder as last scanned)", ("tier",), None),
@@ -94,6 +98,11 @@ class Metrics:
             self._record("decode_tokens_per_second", "observe", stats.decode_tokens_per_s)
         if stats.target_forwards:
             self._record("tokens_per_forward", "observe", stats.tokens_per_forward)
+        self._record("engine_queue_seconds", "observe", stats.queue_s)
+        for histogram, counts in (("batch_size", stats.batch_sizes), ("step_tokens", stats.step_tokens)):
+            for value, steps in counts.items():
+                for _ in range(steps):
+                    self._record(histogram, "observe", value)
 
     def prompt_cache(self, stats: PromptCacheStats) -> None:
         """The engine's prompt cache as it stands: its counters advanced to its totals, its gauges set."""

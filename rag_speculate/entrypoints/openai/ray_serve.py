@@ -2,7 +2,7 @@
 
 `serve.ingress` wraps the app each replica builds around its own engine, so a request reaches the
 same routes, checks and responses as on a standalone server. Ray's router sends a request to a
-replica with room (`max_ongoing_requests`: the one generation an engine runs, and the next, already
+replica with room (`max_ongoing_requests`: the generations its engine batches, and one more, already
 tokenized, so the engine never idles between them) and holds the rest in its own queue up to
 `max_queued_requests`, past which it answers 503: requests wait where any replica can take them. Each replica keeps its own phrase pool and its prompt cache's
 memory tier; with `prompt_cache_dir` they share one disk tier, so a prefix one replica prefilled is a hit
@@ -18,16 +18,13 @@ from typing import Any
 
 from ray import serve
 
+from ...engine.engine import DEFAULT_MAX_BATCH
 from .app import create_app
 from .config import ServerConfig, load
 from .metrics import Metrics
 from .server import Server
 
-# Requests one replica holds: the one its engine runs and the next, checked and tokenized.
-REPLICA_ONGOING = 2
-
-
-@serve.deployment(name="rag-speculate", max_ongoing_requests=REPLICA_ONGOING)
+@serve.deployment(name="rag-speculate")
 @serve.ingress()
 class ServerReplica:
     def __init__(self, config: ServerConfig):
@@ -39,7 +36,9 @@ class ServerReplica:
         if cpus:
             torch.set_num_threads(max(1, int(cpus)))
         engine, index = load(config)
-        self.server = Server(engine, config.name, index, max_queued=REPLICA_ONGOING - 1, metrics=Metrics("ray"))
+        # Room for all Ray routes here: an engine that cannot batch runs one and holds the rest.
+        waiting = replica_ongoing(config) - engine.max_batch
+        self.server = Server(engine, config.name, index, max_queued=waiting, metrics=Metrics("ray"))
         self.config = config
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -52,9 +51,14 @@ def application(config: ServerConfig, replicas: int = 1, cpus_per_replica: float
     on a GPU of its own and shows it only that one, which `device=None` then picks."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    options = {"num_replicas": replicas, "max_queued_requests": config.max_queued,
+    options = {"num_replicas": replicas, "max_queued_requests": config.max_queued, "max_ongoing_requests": replica_ongoing(config),
                "ray_actor_options": {"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica}}
     return ServerReplica.options(**options).bind(config)
+
+
+def replica_ongoing(config: ServerConfig) -> int:
+    """Requests one replica holds: the generations its engine batches and one more, checked and tokenized."""
+    return (DEFAULT_MAX_BATCH if config.max_batch is None else config.max_batch) + 1
 
 
 def run(config: ServerConfig, replicas: int, host: str, port: int, cpus_per_replica: float = 1.0,

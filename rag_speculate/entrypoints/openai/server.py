@@ -74,7 +74,8 @@ class Server:
     ):
         self.engine, self.name, self.index = engine, name, index
         self.metrics = metrics or Metrics()
-        self.admission = Admission(max_running=1, max_queued=max_queued, observe=self.metrics.queue)
+        # As many run at once as the engine batches: a server's throughput is its batch.
+        self.admission = Admission(max_running=engine.max_batch, max_queued=max_queued, observe=self.metrics.queue)
         self._generations: set[GenerationStream] = set()
         self._stopped = False
 

@@ -1,8 +1,10 @@
-"""The server under load, against 127.0.0.1: concurrent clients lose nothing and get the engine's
-answers; a client that disconnects frees the engine at once; a full queue answers 503."""
+"""The server under load, against 127.0.0.1: concurrent clients lose nothing, get the engine's answers
+and share its steps (batched); a client that disconnects frees the engine at once; a full queue
+answers 503."""
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,10 +29,14 @@ def engine():
     return shared_engine(MODEL, dtype="float32", device="cpu", draft_budget=None)
 
 
-def served(engine, max_queued: int = 16):
+def served(engine, max_queued: int = 16, max_batch: int | None = None):
+    """A server of `engine`, or with `max_batch`, of another engine on its weights batching that many."""
+    from rag_speculate import SpeculativeEngine
     from rag_speculate.entrypoints.openai import Server
     from rag_speculate.entrypoints.openai.app import create_app
 
+    if max_batch is not None:
+        engine = SpeculativeEngine(engine.model, engine.tokenizer, max_batch=max_batch)
     server = Server(engine, MODEL, max_queued=max_queued)
     return server, serving(create_app(server))
 
@@ -61,9 +67,13 @@ def test_32_requests_4_at_a_time_lose_nothing_and_match_the_engine(engine):
 
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, range(32)))
+        metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
     assert len(answers) == 32
     assert all(text == expected[q] for q, text in answers)
     assert server.admission.running == 0 and server.admission.waiting == 0
+    # The four clients' generations ran together: steps were shared.
+    steps = {k: float(v) for k, v in re.findall(r"^rag_speculate_batch_size_(sum|count) (\S+)$", metrics, re.M)}
+    assert steps["sum"] / steps["count"] > 1.5, steps
 
 
 def test_a_disconnected_stream_frees_the_engine_for_the_next_request(engine):
@@ -94,7 +104,7 @@ def test_a_client_that_stops_waiting_cancels_its_generation(engine):
 
 
 def test_a_full_queue_answers_503_with_retry_after(engine):
-    server, running = served(engine, max_queued=1)
+    server, running = served(engine, max_queued=1, max_batch=1)
     with running as url:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         long_body = {"model": MODEL, "prompt": COUNTING, "max_tokens": LONG, "temperature": 0, "stream": True}

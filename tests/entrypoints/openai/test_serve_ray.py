@@ -19,7 +19,9 @@ from rag_speculate.entrypoints.openai.background import free_port
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
-# Requests Ray's router holds beyond what the replicas hold (REPLICA_ONGOING each). Its count is
+# Generations each replica's engine batches; it holds one more (`ray_serve.replica_ongoing`).
+MAX_BATCH = 2
+# Requests Ray's router holds beyond what the replicas hold (MAX_BATCH + 1 each). Its count is
 # the router's view, which can run ahead of the replicas': room for the concurrent clients below.
 QUEUED = 8
 # Where this node's Ray exports the replicas' metrics.
@@ -44,7 +46,8 @@ def ray_url(cache_dir):
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=QUEUED, prompt_cache_dir=cache_dir)
+        config = ServerConfig(model=MODEL, dtype="float32", device="cpu", max_queued=QUEUED, prompt_cache_dir=cache_dir,
+                              max_batch=MAX_BATCH)
         serve.run(application(config, replicas=2, cpus_per_replica=1), name="rag-speculate", route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -123,8 +126,8 @@ def test_models_and_errors_through_the_proxy(ray_url):
 
 
 def test_disconnects_free_the_replicas(ray_url):
-    """Fill both replicas with long streams (one generating, one waiting on each, which gets its first
-    byte only once it runs), then disconnect every client: a short request is answered long before any
+    """Fill both replicas with long streams (MAX_BATCH generating, one waiting on each, which gets its
+    first byte only once it runs), then disconnect every client: a short request is answered long before any
     of those generations could have run to its end, so Ray's cancellation reached each engine's step
     loop. (Past the replicas, Ray's router
     queues up to max_queued_requests and answers 503; how it counts its queue while routing varies
@@ -132,7 +135,6 @@ def test_disconnects_free_the_replicas(ray_url):
     import threading
 
     from rag_speculate.entrypoints.engines import shared_engine
-    from rag_speculate.entrypoints.openai.ray_serve import REPLICA_ONGOING
 
     long_body = {"model": MODEL, "prompt": "Numbers: 1, 2, 3, 4, 5, 6, 7,", "max_tokens": 4000, "temperature": 0, "stream": True}
     statuses: list = []
@@ -146,11 +148,11 @@ def test_disconnects_free_the_replicas(ray_url):
         except httpx.HTTPError as error:  # reported in the assertion below
             statuses.append(repr(error))
 
-    clients = [threading.Thread(target=hold) for _ in range(2 * REPLICA_ONGOING)]
+    clients = [threading.Thread(target=hold) for _ in range(2 * (MAX_BATCH + 1))]
     for client in clients:
         client.start()
     deadline = time.monotonic() + 60
-    while len(statuses) < len(clients) // REPLICA_ONGOING:  # each replica's generating stream
+    while len(statuses) < 2 * MAX_BATCH:  # each replica's generating streams
         assert time.monotonic() < deadline, f"statuses so far: {statuses}"
         time.sleep(0.1)
     leave.set()  # the waiting streams leave as soon as they start

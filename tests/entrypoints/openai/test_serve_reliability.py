@@ -139,7 +139,7 @@ def test_a_signal_ends_the_running_answer_refuses_the_queued_one_and_exits_0(sig
     and the process exits 0 within its grace period."""
     port = free_port()
     command = [sys.executable, "-m", "rag_speculate", "serve", "--model", MODEL, "--dtype", "float32", "--device", "cpu",
-               "--threads", "1", "--port", str(port), "--shutdown-timeout", "2"]
+               "--threads", "1", "--port", str(port), "--shutdown-timeout", "2", "--max-batch", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/v1"
     answers: dict[str, tuple] = {}
