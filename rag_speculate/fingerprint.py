@@ -48,6 +48,14 @@ def known_weights(model: torch.nn.Module, source: str) -> None:
     _WEIGHTS[model] = digest.hexdigest()
 
 
+def changed_weights(model: torch.nn.Module, change: str) -> None:
+    """Record that `model`'s weights were changed in place by `change` (quantized, say): a fingerprint
+    known or computed before now names other weights, so it becomes one of the old and the change."""
+    digest = _WEIGHTS.pop(model, None)
+    if digest is not None:
+        _WEIGHTS[model] = hashlib.sha256(f"{digest}\0changed\0{change}".encode()).hexdigest()
+
+
 def _config(model: torch.nn.Module) -> str:
     config = getattr(model, "config", None)
     if config is None:

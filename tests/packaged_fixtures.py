@@ -1,14 +1,26 @@
-"""What the tests on the packaged SmolLM2 share: its name, a document to draft from, and waiting on a server."""
+"""What the tests on the packaged SmolLM2 share: its name, a document to draft from, whether a packaged
+model is installed, and waiting on a server."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
+
+from rag_speculate.models.packaged import get_packaged_model
 
 MODEL = "smollm2-135m-instruct"
 DOCUMENT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
     "It is named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889."
 )
+
+
+def installed(name: str) -> bool:
+    """Whether the packaged model's distributions are installed (`scripts/setup.sh` installs them)."""
+    try:
+        return all(importlib.metadata.version(n) == version for n, version in get_packaged_model(name).distributions)
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:

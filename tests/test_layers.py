@@ -16,11 +16,13 @@ FLOORS = {
     "errors": 0, "files": 0, "fingerprint": 0, "devices": 1,
     "decoding": 2,
     "drafters": 3,
-    "models": 4, "cpu": 4,
-    "engine": 5,
-    "retrieval": 6,
-    "entrypoints": 7,
-    "__init__": 8, "__main__": 8,
+    "cpu": 4,
+    "quantization": 5,
+    "models": 6,
+    "engine": 7,
+    "retrieval": 8,
+    "entrypoints": 9,
+    "__init__": 10, "__main__": 10,
 }  # fmt: skip
 KERNEL_MODULES = ("rag_speculate.cpu.kernels", "rag_speculate.cpu.linear", "rag_speculate.cpu.attention", "rag_speculate.cpu.build")
 

@@ -32,6 +32,8 @@ _SOURCE = Path(__file__).with_name("linear.c")
 # AVX-512 where torch found it (more registers: larger tiles), else AVX2.
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# Weights as they are (""), or quantized: int8 with a scale per group, 4 bits with a scale and an offset.
+WEIGHT_FORMATS = ("", "q8", "q4")
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,7 +67,9 @@ def _check_cpu_tensors(kernel: str, dtype: torch.dtype, *tensors: torch.Tensor |
 def linear_kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The kernel `FastKernels` runs `F.linear(x, weight, bias)` with, or None for torch's own."""
     if (
-        x.device.type == weight.device.type == "cpu"
+        _plain(x)
+        and _plain(weight)
+        and x.device.type == weight.device.type == "cpu"
         and (bias is None or (bias.device.type == "cpu" and bias.dtype == x.dtype))
         and x.dtype == weight.dtype
         and x.dtype in _KERNEL_DTYPES
@@ -79,43 +83,88 @@ def linear_kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return None
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """A tensor whose memory holds its values (no subclass: the kernel reads through its pointer)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
 @functools.cache
-def linear_library(dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled kernel for `dtype`, built into the cache on first use; or None and why not."""
+def linear_library(dtype: torch.dtype = torch.float32, weights: str = "") -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernel for activations of `dtype` and weights in `dtype` ("") or a quantized
+    format ("q8", "q4"), built into the cache on first use; or None and why not."""
     capability = torch.backends.cpu.get_cpu_capability()
-    return build_linear(_SOURCE, dtype, capability)
+    return build_linear(_SOURCE, dtype, capability, weights)
 
 
-def build_linear(source_path: Path, dtype: torch.dtype, isa: str) -> tuple[ctypes.CDLL | None, str]:
+def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str = "") -> tuple[ctypes.CDLL | None, str]:
     """`source_path` (the kernel, or another version of it that a benchmark compares) compiled for
-    `dtype` and the instruction set `isa` ("AVX512" or "AVX2") into the cache unless already there,
-    and loaded; or None and why not."""
+    `dtype`, the instruction set `isa` ("AVX512" or "AVX2") and the weight format `weights` into the
+    cache unless already there, and loaded; or None and why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the linear kernel is written for x86-64, this CPU is {platform.machine()}"
     if isa not in ISA_FLAGS:
         return None, f"the linear kernel needs AVX2 and FMA; torch reports {isa}"
     if dtype not in _KERNEL_DTYPES:
         return None, f"the linear kernel is for fp32 and bf16, not {dtype}"
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}: one of {WEIGHT_FORMATS}")
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
     if dtype == torch.bfloat16:
         flags.append("-DLINEAR_BF16")
-        if isa == "AVX512" and "avx512_bf16" in cpu_flags():
+        # Quantized weights are widened to fp32 whatever the CPU: no pair products for them.
+        if isa == "AVX512" and "avx512_bf16" in cpu_flags() and not weights:
             flags += ["-mavx512bf16", "-DBF16_DOT"]
-    stem = f"linear-{str(dtype).removeprefix('torch.')}-{isa.lower()}"
+    if weights:
+        flags.append(f"-DWEIGHTS_{weights.upper()}")
+    stem = f"linear-{str(dtype).removeprefix('torch.')}-{isa.lower()}{'-' + weights if weights else ''}"
     lib, reason = compile_kernel(source_path, flags, stem, "the linear kernel")
     if lib is None:
         return None, reason
-    lib.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.linear.restype = None
+    if weights:
+        lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear_quantized.restype = None
+    else:
+        lib.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear.restype = None
     return lib, ""
+
+
+def run_quantized(
+    library: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    group_shift: int, out_features: int, bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """`F.linear(x, w, bias)` for the quantized weights `w` (`linear.c`'s formats: q8 values `q`
+    [out, in] int8, or q4 values packed [out, in / 2] uint8; fp32 `scale` and `offset` per group of
+    2**group_shift) through `library`, built for x's dtype and their format."""
+    _check_cpu_tensors("the linear kernel", x.dtype, x, bias)
+    features = x.shape[-1]
+    per_row = features if q.dtype == torch.int8 else features // 2
+    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % 16:
+        raise ValueError(f"quantized weights of shape {tuple(q.shape)} do not take {features} features")
+    rows = x.numel() // features
+    flat = x.reshape(rows, features).contiguous()
+    out = torch.empty(rows, out_features, dtype=x.dtype, device="cpu")
+    library.linear_quantized(
+        flat.data_ptr(), q.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(), group_shift,
+        None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), rows, out_features, features,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
     """Whether `model`'s linear layers can run through the kernel here, and why not: it must build
-    for the model's dtype, and agree with torch's product on the model's own first linear layer."""
-    linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
-    if linear is None:
-        return False, "the model has no torch.nn.Linear layers"
+    for the model's dtype, and agree with torch's product on the model's own first linear layer.
+    Weights that are tensor subclasses (torchao's quantized tensors, say) are theirs to run: a
+    model holding any runs through torch. A model whose layers are all `rag_speculate`'s quantized
+    ones has no `torch.nn.Linear` left: they run their own kernel, and attention ours."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    subclassed = next((m.weight for m in linears if not _plain(m.weight)), None)
+    if subclassed is not None:
+        return False, f"its linear layers hold {type(subclassed).__name__} weights, which their own kernels run"
+    if not linears:
+        return True, ""
+    linear = linears[0]
     weight = linear.weight
     if weight.device.type != "cpu" or weight.dtype not in _KERNEL_DTYPES:
         return False, f"the fast linear kernel is for fp32 or bf16 on CPU only; the model is {weight.dtype} on {weight.device}"

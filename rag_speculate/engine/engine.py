@@ -167,6 +167,7 @@ class SpeculativeEngine:
         dtype: torch.dtype | None = None,
         device: str | int | torch.device | None = None,
         progress: Callable[[str], None] | None = None,
+        quantization: str | None = None,
         **options: Any,
     ) -> SpeculativeEngine:
         """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id;
@@ -174,11 +175,14 @@ class SpeculativeEngine:
         `prompt_cache_dir`, `prompt_cache_disk_bytes`, `max_batch`, `kv_cache_bytes`, `prefill_chunk`).
 
         `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
-        on CPUs that compute in it, else fp32 (`devices.default_dtype`).
+        on CPUs that compute in it, else fp32 (`devices.default_dtype`). `quantization`: "int8" or
+        "int4" (weight-only, activations in `dtype`), or "gguf" to keep a GGUF file's own quantized
+        tensors; on the CPU (`rag_speculate.quantization`). The answers are then exactly the
+        quantized model's own.
         """
         from ..models.loading import load_model
 
-        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress)
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, progress=progress, quantization=quantization)
         return cls(model, tokenizer, drafter, name=options.pop("name", name_or_path), **options)
 
     def generate(self, prompt: Prompt, **options: Any) -> GenerationResult:

@@ -25,6 +25,7 @@ from ..engine import SpeculativeEngine
 from ..errors import RagSpeculateError
 from ..files import cache_dir
 from ..models.loading import load_tokenizer
+from ..quantization.layer import METHODS
 from ..retrieval.corpus import ChunkingOptions, CorpusIndex, read_corpus
 from .engines import rag_engine
 from .openai.config import BODY_TIMEOUT_S, SEND_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_answer_options(ask)
     _add_cache_options(ask)
     _add_model_options(ask)
+    _add_quantization_options(ask)
 
     demo = commands.add_parser("demo", help="index the shipped NQ corpus, then answer accelerated and plain")
     demo.add_argument("--question", help="your own question (default: one of the corpus's questions)")
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_index_options(demo)
     _add_answer_options(demo)
     _add_model_options(demo)
+    _add_quantization_options(demo)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--index", type=Path, default=None, help="an index folder: requests may ask to retrieve from it, and the REST drafter drafts from its corpus")
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                             'object with "prompt" or "messages" and optional "documents"')
     _add_cache_options(serve)
     _add_model_options(serve)
+    _add_quantization_options(serve)
 
     args = parser.parse_args(argv)
     if args.threads:
@@ -109,6 +113,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file, folder or HF id")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _add_quantization_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=METHODS, default=None,
+                        help="the target's linear layers as int8 or 4-bit weights, or a GGUF file's own quantized tensors (gguf); "
+                             "on the CPU, answers exactly the quantized model's own (default: none)")
+    parser.add_argument("--draft-quantization", choices=METHODS, default=None,
+                        help="the same for --draft-model (default: int8 computing in int8 on a CPU)")
 
 
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +171,8 @@ def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index, embedder=args.embedding_model)
     # Refused before the weights load: an index of another tokenizer is no use to this model.
     index.check_tokenizer(load_tokenizer(args.model, progress=_progress), model=args.model)
-    engine = rag_engine(SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress), index, args.draft_model, _progress,
+    target = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress, quantization=args.quantization)
+    engine = rag_engine(target, index, args.draft_model, _progress, draft_quantization=args.draft_quantization,
                         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)  # fmt: skip
     result, prepared = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     chunks = prepared.sources
@@ -178,13 +191,13 @@ def run_demo(args: argparse.Namespace) -> int:
     question = args.question or questions[args.item].question
     answers = [] if args.question else questions[args.item].answers
 
-    engine = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress)
+    engine = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress, quantization=args.quantization)
     folder = args.index_dir or cache_dir() / "indexes" / f"nq-{Path(args.model).name}"
     _progress(f"indexing the shipped Natural Questions corpus into {folder} (once; later runs reuse it)")
     index = CorpusIndex.build(
         nq_documents(), folder, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
     )
-    engine = rag_engine(engine, index, args.draft_model, _progress)
+    engine = rag_engine(engine, index, args.draft_model, _progress, draft_quantization=args.draft_quantization)
     _progress("warming up")
     engine.generate([1, 2, 3], max_new_tokens=4)
     # The first forward over a prompt this long pays one-off allocations, which would fall on
@@ -226,6 +239,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+        quantization=args.quantization, draft_quantization=args.draft_quantization,
         served_name=args.served_model_name, max_queued=args.max_queued, max_batch=args.max_batch, api_key=args.api_key or None,
         send_timeout_s=args.send_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,

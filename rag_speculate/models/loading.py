@@ -19,19 +19,62 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: Device = None,
     progress: Callable[[str], None] | None = None,
+    quantization: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A packaged model name, a `.gguf` file, a local folder or a Hugging Face model id, on `device`
-    (None: CUDA when available, else the CPU; `resolve_device`) in `dtype` (None: `default_dtype`)."""
+    (None: CUDA when available, else the CPU; `resolve_device`) in `dtype` (None: `default_dtype`),
+    its linear layers quantized if asked (`quantization`: "int8", "int4", or "gguf" for a GGUF
+    file's own quantized tensors; see `rag_speculate.quantization`)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
+    gguf = _check_quantization(name_or_path, quantization, dtype, device)
     if packaged.is_packaged_model(name_or_path):
-        return packaged.load_packaged_model(name_or_path, dtype=dtype, device=device, progress=progress)
-    source, extra = _source(name_or_path)
-    if progress:
-        progress(f"loading {name_or_path}")
-    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
+        model, tokenizer = packaged.load_packaged_model(name_or_path, dtype=dtype, device=device, progress=progress)
+    else:
+        source, extra = _source(name_or_path)
+        if progress:
+            progress(f"loading {name_or_path}")
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
+    if quantization:
+        from ..quantization.gguf import gguf_layers
+        from ..quantization.layer import quantize_model
+
+        if progress:
+            progress(f"quantizing the linear layers ({quantization})")
+        quantize_model(model, quantization, gguf_layers(model, gguf) if gguf else None)
     return model, tokenizer
+
+
+def _check_quantization(name_or_path: str, quantization: str | None, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Refuse a quantization the kernels cannot serve, before anything loads; the GGUF file "gguf" reads."""
+    if quantization is None:
+        return None
+    from ..quantization.layer import METHODS
+
+    if quantization not in METHODS:
+        raise InvalidArgumentError(f"unknown quantization {quantization!r}: one of {', '.join(METHODS)}", "quantization")
+    if device.type != "cpu":
+        raise InvalidArgumentError(
+            f"quantization={quantization!r} runs on the CPU kernels, not on {device}: on a GPU, load a model "
+            "quantized through transformers' quantization_config (bitsandbytes, GPTQ, AWQ, torchao) and pass it to the engine",
+            "quantization",
+        )
+    from ..cpu.linear import linear_library
+
+    for fmt in ("q8", "q4") if quantization == "gguf" else ("q8" if quantization == "int8" else "q4",):
+        library, reason = linear_library(dtype, fmt)
+        if library is None:
+            raise InvalidArgumentError(f"quantization={quantization!r} cannot run here: {reason}", "quantization")
+    if quantization != "gguf":
+        return None
+    if packaged.is_packaged_model(name_or_path):
+        return str(packaged.gguf_path(name_or_path))
+    if Path(name_or_path).suffix == ".gguf":
+        return name_or_path
+    raise InvalidArgumentError(
+        f"quantization='gguf' keeps a GGUF file's own tensors: {name_or_path!r} is not a .gguf file or a packaged model", "quantization"
+    )
 
 
 def load_tokenizer(name_or_path: str, *, progress: Callable[[str], None] | None = None) -> PreTrainedTokenizerBase:

@@ -10,18 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from rag_speculate.models.packaged import get_packaged_model
+from packaged_fixtures import MODEL, installed
 
 REPO = Path(__file__).resolve().parents[2]
 TABLES = ("tests.md", "forward_cost.md", "step_overhead.md", "real_weights.md")
-
-
-def smollm_installed() -> bool:
-    try:
-        return all(importlib.metadata.version(name) == version for name, version in get_packaged_model("smollm2-135m-instruct").distributions)
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +67,7 @@ def test_step_overhead_counts_every_step(quick_run):
         assert row["forward_s"] <= row["decode_s"], name
 
 
-@pytest.mark.skipif(not smollm_installed(), reason="the packaged SmolLM2-135M is not installed (bash scripts/setup.sh test installs it)")
+@pytest.mark.skipif(not installed(MODEL), reason="the packaged SmolLM2-135M is not installed (bash scripts/setup.sh test installs it)")
 def test_real_weight_outputs_are_identical_to_greedy(quick_run):
     _, out = quick_run
     section = json.loads((out / "gpu_check.json").read_text())["real_weights"]

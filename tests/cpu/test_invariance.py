@@ -1,6 +1,6 @@
 """The kernels' invariant, checked directly: a row computed alone equals the same row computed among
-others, bit for bit, for the linear and the attention kernel, fp32 and bf16, on every instruction
-set this CPU can build them for."""
+others, bit for bit, for the linear kernel (plain, int8 and 4-bit weights) and the attention kernel,
+fp32 and bf16, on every instruction set this CPU can build them for."""
 
 from __future__ import annotations
 
@@ -37,12 +37,33 @@ def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
     weight = torch.randn(*shape, generator=generator).to(dtype)
     bias = torch.randn(shape[0], generator=generator).to(dtype)
     x = torch.randn(max(BESIDE) + 1, shape[1], generator=generator).to(dtype)
-    alone = run_linear(library, x[:1], weight, bias)
+    _same_among_others(lambda rows: run_linear(library, rows, weight, bias), x)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, dtype, isa):
+    from rag_speculate.cpu.linear import _SOURCE, run_quantized
+    from rag_speculate.quantization.formats import quantize
+
+    library = _built(lambda d, i: build_linear(_SOURCE, d, i, "q8" if method == "int8" else "q4"), dtype, isa)
+    generator = torch.Generator().manual_seed(0)
+    weight = quantize(torch.randn(1536, 256, generator=generator), method)
+    bias = torch.randn(1536, generator=generator).to(dtype)
+    x = torch.randn(max(BESIDE) + 1, 256, generator=generator).to(dtype)
+    _same_among_others(
+        lambda rows: run_quantized(library, rows, weight.values, weight.scale, weight.offset, weight.group_shift, 1536, bias), x
+    )
+
+
+def _same_among_others(linear, x: torch.Tensor) -> None:
+    alone = linear(x[:1])
     for others in BESIDE[1:]:
-        together = run_linear(library, x[: others + 1], weight, bias)
+        together = linear(x[: others + 1])
         assert torch.equal(together[:1], alone), others
         # ... and wherever it sits among them.
-        assert torch.equal(run_linear(library, x[others : others + 1], weight, bias), together[others:]), others
+        assert torch.equal(linear(x[others : others + 1]), together[others:]), others
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
 from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
@@ -26,6 +26,7 @@ IDENTIFYING_PARAMS = (
     "dtype",
     "device",
     "draft_budget",
+    "quantization",
     "max_tokens",
     "temperature",
     "top_p",
@@ -36,7 +37,7 @@ IDENTIFYING_PARAMS = (
 
 
 # Settings that configure loading a model, which an engine= already loaded has settled.
-LOADING = ("dtype", "device", "device_map", "draft_budget", "prompt_cache_dir", "prompt_cache_disk_bytes")
+LOADING = ("dtype", "device", "device_map", "draft_budget", "prompt_cache_dir", "prompt_cache_disk_bytes", "quantization")
 
 
 # Unknown settings are rejected: a mistyped one would otherwise be silently ignored. Each model class
@@ -69,6 +70,9 @@ class SpeculativeHFParams(BaseModel):
     """A folder for the prompt cache's disk tier, shared by every process naming it (None: memory only)."""
     prompt_cache_disk_bytes: int | None = None
     """What `prompt_cache_dir` may hold, in bytes (None: 8 GiB)."""
+    quantization: Literal["int8", "int4", "gguf"] | None = None
+    """The model's linear layers as int8 or 4-bit weights, or a GGUF file's own quantized tensors, on
+    the CPU (None: as loaded); the answers are the quantized model's own."""
 
     max_tokens: int = Field(default=256, ge=1, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = Field(default=0.0, ge=0.0)
@@ -128,6 +132,7 @@ class SpeculativeHFParams(BaseModel):
             self.engine = shared_engine(
                 self.model, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget,
                 prompt_cache_dir=self.prompt_cache_dir, prompt_cache_disk_bytes=self.prompt_cache_disk_bytes,
+                quantization=self.quantization,
             )  # fmt: skip
         return self.engine
 

@@ -30,6 +30,7 @@ class ServerConfig:
     send as `Authorization: Bearer KEY` (None: no key); the timeouts: `app.create_app`'s and, on
     SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish;
     `max_batch`: generations the engine runs together (None: its default; `SpeculativeEngine`);
+    `quantization` and `draft_quantization`: as `SpeculativeEngine.from_pretrained` takes them;
     `prompt_cache_dir` and `prompt_cache_disk_bytes`: the prompt cache's disk tier, one folder every
     replica shares; `warm`: prompts prefilled before the first request (`entrypoints/warm.py`)."""
 
@@ -42,6 +43,8 @@ class ServerConfig:
     served_name: str | None = None
     max_queued: int = 16
     max_batch: int | None = None
+    quantization: str | None = None
+    draft_quantization: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     api_key: str | None = field(default=None, repr=False)
     send_timeout_s: float = SEND_TIMEOUT_S
@@ -65,11 +68,12 @@ def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     """The engine (drafting from the request's documents, the index's corpus and the draft model)
     and the index, loaded and verified, and the warm prompts prefilled, before the server takes a
     request."""
-    base = shared_engine(config.model, dtype=config.dtype, device=config.device, draft_budget=None)
+    base = shared_engine(config.model, dtype=config.dtype, device=config.device, draft_budget=None, quantization=config.quantization)
     index = None
     if config.index is not None:
         index = CorpusIndex.load(config.index, tokenizer=base.tokenizer, embedder=config.embedding_model)
     engine = rag_engine(base, index, config.draft_model, prompt_cache_dir=config.prompt_cache_dir,
-                        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes, max_batch=config.max_batch)  # fmt: skip
+                        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes, max_batch=config.max_batch,
+                        draft_quantization=config.draft_quantization)  # fmt: skip
     warm(engine, config.warm)
     return engine, index

@@ -24,6 +24,7 @@ from .config import ServerConfig, load
 from .metrics import Metrics
 from .server import Server
 
+
 @serve.deployment(name="rag-speculate")
 @serve.ingress()
 class ServerReplica:

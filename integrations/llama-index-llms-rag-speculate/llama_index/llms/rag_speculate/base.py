@@ -4,7 +4,7 @@ function calling through the model's chat template."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -44,7 +44,7 @@ CALL_ARGUMENTS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k
 CHAT_ARGUMENTS = (*CALL_ARGUMENTS, "tools", "tool_choice")
 _ROLES = (MessageRole.SYSTEM, MessageRole.USER, MessageRole.ASSISTANT)
 _TOOL_ROLES = (MessageRole.TOOL, MessageRole.FUNCTION)
-_LOADING = ("dtype", "device", "device_map", "draft_budget", "prompt_cache_dir", "prompt_cache_disk_bytes")
+_LOADING = ("dtype", "device", "device_map", "draft_budget", "prompt_cache_dir", "prompt_cache_disk_bytes", "quantization")
 
 
 class SpeculativeHFLLM(FunctionCallingLLM):
@@ -73,6 +73,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
     draft_budget: int | None = Field(default=None, description="Draft nodes verified per forward (0: no speculation).")
     prompt_cache_dir: str | None = Field(default=None, description="A folder for the prompt cache's disk tier, shared by every process naming it (None: memory only).")
     prompt_cache_disk_bytes: int | None = Field(default=None, description="What prompt_cache_dir may hold, in bytes (None: 8 GiB).")
+    quantization: Literal["int8", "int4", "gguf"] | None = Field(default=None, description='The linear layers as int8 or 4-bit weights, or a GGUF file\'s own quantized tensors, on the CPU (None: as loaded).')
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated at most (the metadata's num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -95,6 +96,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
             self._engine = shared_engine(
                 model_name, dtype=self.dtype, device=self.device, draft_budget=self.draft_budget,
                 prompt_cache_dir=self.prompt_cache_dir, prompt_cache_disk_bytes=self.prompt_cache_disk_bytes,
+                quantization=self.quantization,
             )  # fmt: skip
             return
         loading = sorted(set(_LOADING) & set(kwargs))

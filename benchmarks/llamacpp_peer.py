@@ -1,0 +1,143 @@
+"""Quantized targets on a CPU against llama.cpp on its own ground: the packaged Qwen2.5-Coder-1.5B GGUF
+(Q4_K_M), the same prompts and token ids, greedy, interleaved per item, one process.
+
+Methods:
+- llama.cpp: llama-cpp-python on the GGUF file as shipped, plain, and with its prompt-lookup
+  speculation (`LlamaPromptLookupDecoding`, llama.cpp's n-gram mode over the prompt);
+- ours, gguf: the engine keeping the file's own Q4_K and Q6_K tensors (`quantization="gguf"`),
+  activations in `--dtype`, with its document drafters, and the same model decoding plainly
+  (draft_budget=0): speculation must give exactly the plain tokens;
+- ours, int8 (with `--int8`): the same weights dequantized and requantized to int8 per channel.
+
+Items are Spec-Bench's summarization and RAG prompts (`benchmarks/data`), each run once per method
+after a warm-up. Per method: prefill tokens/s (prompt tokens over time to first token), decode
+tokens/s (tokens after the first over the time after it) and end to end seconds; per item, whether
+our speculative output equals our plain one (it must) and how many tokens of llama.cpp's answer
+ours shares before they part (different arithmetic: near ties go either way).
+
+    pip install llama-cpp-python diskcache   # builds llama.cpp for this CPU (CMAKE_ARGS="-DGGML_NATIVE=ON")
+    python3 benchmarks/llamacpp_peer.py --n 2 --max-new-tokens 96 --out benchmarks/results/llamacpp_peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from gpu_check import device_name
+from spec_bench import load_items
+
+from rag_speculate import NGramTrieDrafter, SpeculativeEngine
+from rag_speculate.models.packaged import gguf_path
+
+MODEL = "qwen2.5-coder-1.5b-instruct"
+DATA = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"
+
+
+def llama_method(llm, eos: set[int]):
+    def run(ids: list[int], documents, max_new_tokens: int) -> dict:
+        started, first, tokens = time.perf_counter(), None, []
+        # reset: no reuse of the previous prompt's KV, every method prefills in full.
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            if token in eos:
+                break
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:
+                break
+        return {"ttft_s": first - started, "total_s": time.perf_counter() - started, "tokens": tokens}
+
+    return run
+
+
+def engine_method(engine: SpeculativeEngine):
+    def run(ids: list[int], documents, max_new_tokens: int) -> dict:
+        engine.prompt_cache.clear()  # every method prefills in full
+        started = time.perf_counter()
+        result = engine.generate(ids, documents=documents, max_new_tokens=max_new_tokens)
+        stats = result.stats
+        return {"ttft_s": stats.time_to_first_token_s, "total_s": time.perf_counter() - started, "tokens": result.token_ids}
+
+    return run
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=2, help="items per category")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="activations (default: the CPU's, devices.default_dtype)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int8", action="store_true", help="also our int8 requantization of the same weights")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llamacpp_peer"))
+    args = parser.parse_args()
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    ours = SpeculativeEngine.from_pretrained(MODEL, NGramTrieDrafter(), dtype=dtype, device="cpu", quantization="gguf")
+    plain = SpeculativeEngine(ours.model, ours.tokenizer, draft_budget=0)
+    methods = {"llama.cpp": None, "llama.cpp prompt lookup": None, "ours gguf plain": engine_method(plain),
+               "ours gguf": engine_method(ours)}
+    if args.int8:
+        int8 = SpeculativeEngine.from_pretrained(MODEL, NGramTrieDrafter(), dtype=dtype, device="cpu", quantization="int8")
+        methods["ours int8"] = engine_method(int8)
+    options = {"model_path": str(gguf_path(MODEL)), "n_ctx": 4096, "n_threads": args.threads, "n_batch": 512, "verbose": False}
+    # Speculation needs every fed position's logits (logits_all), so it is an instance of its own.
+    lookup = LlamaPromptLookupDecoding(num_pred_tokens=10)
+    eos = set(ours.eos_token_ids)
+    methods["llama.cpp"] = llama_method(Llama(**options), eos)
+    methods["llama.cpp prompt lookup"] = llama_method(Llama(**options, draft_model=lookup, logits_all=True), eos)
+    items = load_items(ours, DATA, ["summarization", "rag"], args.n)
+    for run in methods.values():  # warm-up: kernels built, cost curves timed, llama.cpp's buffers
+        run(items[0].prompt_ids[:64], None, 4)
+
+    rows = []
+    for i, item in enumerate(items):
+        order = list(methods)[i % len(methods):] + list(methods)[: i % len(methods)]
+        runs = {name: methods[name](item.prompt_ids, item.documents, args.max_new_tokens) for name in order}
+        row = {"item": item.id, "category": item.category, "prompt_tokens": len(item.prompt_ids),
+               "speculative_equals_plain": runs["ours gguf"]["tokens"] == runs["ours gguf plain"]["tokens"],
+               "shared_with_llama_cpp": shared_prefix(runs["ours gguf plain"]["tokens"], runs["llama.cpp"]["tokens"]),
+               "runs": runs}  # fmt: skip
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs"}
+                         | {m: round(r["total_s"], 2) for m, r in runs.items()}), flush=True)  # fmt: skip
+
+    def rates(name: str, category: str) -> tuple[float, float, float]:
+        mine = [r for r in rows if r["category"] == category]
+        prefill = statistics.median(r["prompt_tokens"] / r["runs"][name]["ttft_s"] for r in mine)
+        decode = statistics.median((len(r["runs"][name]["tokens"]) - 1) / (r["runs"][name]["total_s"] - r["runs"][name]["ttft_s"])
+                                   for r in mine)  # fmt: skip
+        return prefill, decode, statistics.median(r["runs"][name]["total_s"] for r in mine)
+
+    lines = [f"{device_name(torch.device('cpu'))}, {args.threads} threads, {MODEL} Q4_K_M, activations in "
+             f"{next(ours.model.parameters()).dtype}, greedy, {args.max_new_tokens} new tokens at most, medians",
+             "", "| category (items) | method | prefill tok/s | decode tok/s | end to end s |", "|---|---|---:|---:|---:|"]
+    for category in dict.fromkeys(r["category"] for r in rows):
+        count = sum(r["category"] == category for r in rows)
+        for name in methods:
+            prefill, decode, total = rates(name, category)
+            lines.append(f"| {category} ({count}) | {name} | {prefill:.0f} | {decode:.1f} | {total:.2f} |")
+    lines += ["", f"ours speculative = ours plain: {sum(r['speculative_equals_plain'] for r in rows)}/{len(rows)}; "
+              f"tokens shared with llama.cpp's answer before they part (median): "
+              f"{statistics.median(r['shared_with_llama_cpp'] for r in rows):.0f}"]  # fmt: skip
+    table = "\n".join(lines)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) for k, v in vars(args).items()} | {"torch": torch.__version__, "cpu": device_name(torch.device("cpu"))}
+    args.out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
+    args.out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

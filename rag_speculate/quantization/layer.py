@@ -1,0 +1,120 @@
+"""A model's linear layers with quantized weights: `quantize_model` replaces them in place.
+
+`QuantizedLinear` keeps the activations in the model's dtype and computes every row as if it were
+alone (the CPU kernel's invariant, `cpu/kernels.py`), so speculation over a quantized model gives
+exactly what `generate` of that same quantized model gives. Off the CPU, or where the kernel
+cannot be built, it multiplies by the dequantized fp32 weights with torch (correct, not fast).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InvalidArgumentError
+from ..fingerprint import changed_weights
+from .formats import INT4_GROUP, QuantizedWeight, dequantize, fits, quantize
+
+logger = logging.getLogger(__name__)
+
+# `quantization=` names: our own int8 and 4-bit, or a GGUF file's own tensors (`models/loading.py`).
+METHODS = ("int8", "int4", "gguf")
+
+
+class QuantizedLinear(torch.nn.Module):
+    """`torch.nn.Linear`'s forward over a `QuantizedWeight` (kept on the CPU) and an optional bias."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.format, self.group_shift = weight.format, weight.group_shift
+        self.register_buffer("values", weight.values)
+        self.register_buffer("scale", weight.scale)
+        self.register_buffer("offset", weight.offset)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.format, self.values, self.scale, self.offset, self.group_shift, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        library = _library(x, self.format)
+        if library is not None:
+            from ..cpu.linear import run_quantized
+
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return run_quantized(library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias)
+        weight = dequantize(self.weight).to(x.device)
+        bias = None if self.bias is None else self.bias.to(x.device, torch.float32)
+        return F.linear(x.to(torch.float32), weight, bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, group={1 << self.group_shift}"
+
+
+def _library(x: torch.Tensor, fmt: str):
+    """The CPU kernel for x's dtype and the weights' format, or None for torch's product."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from ..cpu.linear import linear_library
+
+    library, reason = linear_library(x.dtype, fmt)
+    if library is None and fmt not in _warned:
+        _warned.add(fmt)
+        logger.warning("quantized layers run through torch, slowly: %s", reason)
+    return library
+
+
+_warned: set[str] = set()
+
+
+def already_quantized(model: torch.nn.Module) -> str:
+    """How `model` is already quantized ("" when it is not)."""
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        return "its linear layers are already rag_speculate's quantized layers"
+    config = getattr(model.config, "quantization_config", None)
+    if config is not None or getattr(model, "hf_quantizer", None) is not None:
+        method = getattr(config, "quant_method", None) or (config.get("quant_method") if isinstance(config, dict) else None)
+        return f"it was quantized through transformers ({method or 'quantization_config'})"
+    return ""
+
+
+def quantize_model(
+    model: torch.nn.Module, method: str, weights: dict[str, QuantizedWeight] | None = None, group: int = INT4_GROUP
+) -> dict[str, str]:
+    """Replace `model`'s linear layers by quantized ones, in place: quantized here by `method`
+    ("int8", "int4"), or given in `weights` (by module name, from a GGUF file: method "gguf").
+    Returns the layers left as they were, with why."""
+    if method not in METHODS:
+        raise InvalidArgumentError(f"unknown quantization {method!r}: one of {', '.join(METHODS)}", "quantization")
+    reason = already_quantized(model)
+    if reason:
+        raise InvalidArgumentError(f"cannot quantize the model: {reason}; leave quantization unset to use it as it is", "quantization")
+    left = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if method == "gguf":
+            weight = (weights or {}).get(name)
+            if weight is None:
+                left[name] = "the GGUF file holds it in a type without a kernel"
+                continue
+        else:
+            why = fits(module.in_features, method, group)
+            if why:
+                left[name] = why
+                continue
+            weight = quantize(module.weight, method, group)
+        _replace(model, name, QuantizedLinear(weight, module.bias))
+    # The disk tier files KV entries under the weights' fingerprint: these are other weights now.
+    changed_weights(model, f"quantize_model {method} group {group}")
+    if left:
+        logger.info("%d linear layers kept in %s: %s", len(left), next(model.parameters()).dtype, "; ".join(f"{n} ({w})" for n, w in left.items()))
+    return left
+
+
+def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, layer)

@@ -1,0 +1,117 @@
+"""Quantized targets: a model whose linear layers are quantized (int8, int4) answers through the
+engine exactly as its own `generate` does (greedy, fp32), alone and batched, through both forward
+paths; in bf16 speculation gives the quantized model's own plain decoding; a model quantized
+through transformers' `quantization_config` (torchao) works unchanged; bad requests are named."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from conftest import hf_greedy, tiny_model
+from packaged_fixtures import DOCUMENT, MODEL, installed
+
+from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine
+from rag_speculate.models.loading import _check_quantization, load_model
+from rag_speculate.quantization.layer import QuantizedLinear, quantize_model
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "a tall oak tree, as foxes", "one two three four"]
+
+
+def quantized(arch: str, method: str, dtype: torch.dtype = torch.float32):
+    model = tiny_model(arch, dtype=dtype)
+    assert quantize_model(model, method) == {}
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return model
+
+
+@pytest.mark.usefixtures("forward_path")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_speculation_over_a_quantized_model_is_its_own_generate(arch, method, tokenizer):
+    model = quantized(arch, method)
+    engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    references = [hf_greedy(model, i, 24) for i in ids]
+    # Its own continuation as the document: long drafts, accepted, then a miss.
+    alone = engine.generate(ids[0], documents=[tokenizer.decode(references[0])], max_new_tokens=24)
+    assert alone.token_ids == references[0] and alone.stats.target_forwards < 24
+    together = engine.generate_batch(ids, max_new_tokens=24)
+    assert [r.token_ids for r in together] == references
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_in_bf16_speculation_is_the_quantized_models_plain_decoding(method, tokenizer):
+    model = quantized("llama", method, torch.bfloat16)
+    ids = tokenizer.encode(PROMPTS[0])
+    plain = SpeculativeEngine(model, tokenizer, draft_budget=0).generate(ids, max_new_tokens=24).token_ids
+    engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
+    assert engine.fast_kernels
+    assert engine.generate(ids, documents=[tokenizer.decode(plain)], max_new_tokens=24).token_ids == plain
+
+
+def test_a_model_quantized_through_transformers_torchao_works_unchanged(tokenizer, tmp_path):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
+                                                 dtype=torch.float32).eval()  # fmt: skip
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ != "Parameter"
+    engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
+    assert not engine.fast_kernels  # torchao's tensors run their own kernels
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    references = [hf_greedy(model, i, 24) for i in ids]
+    assert engine.generate(ids[0], documents=[tokenizer.decode(references[0])], max_new_tokens=24).token_ids == references[0]
+    assert [r.token_ids for r in engine.generate_batch(ids, max_new_tokens=24)] == references
+    with pytest.raises(InvalidArgumentError, match="quantized through transformers") as raised:
+        quantize_model(model, "int8")
+    assert raised.value.argument == "quantization"
+
+
+def test_layers_that_do_not_fit_stay_as_they_are(tokenizer):
+    model = tiny_model("llama", hidden_size=48, intermediate_size=96)  # 48 inputs: no whole group of 32
+    left = quantize_model(model, "int4")
+    assert left and all("group of 32" in why for why in left.values())
+    assert any(isinstance(m, QuantizedLinear) for m in model.modules())  # the 96-input down projections
+    ids = tokenizer.encode(PROMPTS[0])
+    assert SpeculativeEngine(model, tokenizer).generate(ids, max_new_tokens=12).token_ids == hf_greedy(model, ids, 12)
+
+
+def test_bad_quantization_requests_are_named():
+    model = quantized("llama", "int8")
+    for call, problem in [
+        (lambda: quantize_model(model, "int8"), "already rag_speculate's quantized layers"),
+        (lambda: quantize_model(tiny_model("llama"), "int3"), "unknown quantization 'int3'"),
+        (lambda: load_model("x", quantization="fp8", device="cpu"), "unknown quantization 'fp8'"),
+        # Checked before anything loads (a GPU machine's device, named here without one).
+        (lambda: _check_quantization("x", "int8", torch.bfloat16, torch.device("cuda")), "runs on the CPU kernels, not on cuda"),
+        (lambda: load_model(tempfile.gettempdir(), quantization="gguf", device="cpu"), "not a .gguf file or a packaged model"),
+        (lambda: SpeculativeEngine.from_pretrained("x", quantization="int5", device="cpu"), "unknown quantization 'int5'"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=problem) as raised:
+            call()
+        assert raised.value.argument == "quantization"
+
+
+@pytest.mark.skipif(not installed(MODEL), reason=f"the packaged {MODEL} is not installed (bash scripts/setup.sh test installs it)")
+def test_every_entrance_takes_the_option_and_answers_as_the_quantized_model():
+    """The packaged SmolLM2 in int4 through the entrances' one engine factory, and LangChain's model:
+    the answer is the quantized model's own `generate`, and `quantization` beside engine= is refused."""
+    from langchain_rag_speculate import SpeculativeHFLLM
+    from pydantic import ValidationError
+
+    from rag_speculate.entrypoints.engines import shared_engine
+
+    engine = shared_engine(MODEL, dtype="float32", device="cpu", draft_budget=None, quantization="int4")
+    assert not any(isinstance(m, torch.nn.Linear) for m in engine.model.modules())
+    prompt = f"{DOCUMENT}\n\nQuestion: Who designed the Eiffel Tower?\nAnswer:"
+    expected = engine.generate(prompt, documents=[DOCUMENT], max_new_tokens=12)
+    assert expected.token_ids == hf_greedy(engine.model, engine.encode_prompt(prompt, chat=False), 12)
+    llm = SpeculativeHFLLM(model=MODEL, dtype="float32", device="cpu", quantization="int4", max_tokens=12)
+    assert llm.invoke(prompt) == expected.text
+    assert llm.engine is engine  # loaded on first use: the same one
+    with pytest.raises(ValidationError, match="quantization configure loading a model"):
+        SpeculativeHFLLM(engine=engine, quantization="int8")
