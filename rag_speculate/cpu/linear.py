@@ -156,14 +156,17 @@ def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
     """Whether `model`'s linear layers can run through the kernel here, and why not: it must build
     for the model's dtype, and agree with torch's product on the model's own first linear layer.
     Weights that are tensor subclasses (torchao's quantized tensors, say) are theirs to run: a
-    model holding any runs through torch. A model whose layers are all `rag_speculate`'s quantized
-    ones has no `torch.nn.Linear` left: they run their own kernel, and attention ours."""
+    model holding any runs through torch. Layers that say they compute each row alone
+    (`rows_alone`: `rag_speculate`'s quantized ones, which run this kernel themselves) need no
+    check, and the model's attention still runs ours."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     subclassed = next((m.weight for m in linears if not _plain(m.weight)), None)
     if subclassed is not None:
         return False, f"its linear layers hold {type(subclassed).__name__} weights, which their own kernels run"
     if not linears:
-        return True, ""
+        if any(getattr(m, "rows_alone", False) for m in model.modules()):
+            return True, ""
+        return False, "the model has no torch.nn.Linear layers"
     linear = linears[0]
     weight = linear.weight
     if weight.device.type != "cpu" or weight.dtype not in _KERNEL_DTYPES:

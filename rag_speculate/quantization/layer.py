@@ -26,6 +26,9 @@ METHODS = ("int8", "int4", "gguf")
 class QuantizedLinear(torch.nn.Module):
     """`torch.nn.Linear`'s forward over a `QuantizedWeight` (kept on the CPU) and an optional bias."""
 
+    # Every row computed as if alone (the CPU kernel's invariant): what `cpu.linear.fast_linear_works` asks.
+    rows_alone = True
+
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape

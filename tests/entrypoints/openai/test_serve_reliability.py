@@ -54,7 +54,7 @@ def test_streams_past_the_queue_bound_get_503_before_any_byte(engine):
     server, running = served(engine, max_queued=4)
 
     async def one(client: httpx.AsyncClient, url: str) -> tuple[int, list[str], httpx.Headers]:
-        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 16, "temperature": 0, "stream": True}
+        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 4, "temperature": 0, "stream": True}
         async with client.stream("POST", f"{url}/completions", json=body) as response:
             return response.status_code, [line async for line in response.aiter_lines()], response.headers
 
@@ -81,9 +81,9 @@ def test_streams_past_the_queue_bound_get_503_before_any_byte(engine):
 
 def test_a_client_that_stops_reading_is_cut_off_and_the_next_request_served(engine):
     """A client that reads nothing of a long stream fills the buffers between it and the server; its
-    next send waits past the send timeout, the stream is cut off and the engine serves the next
-    request. A long served name makes every chunk large, and small socket buffers (the listening
-    socket's, which connections inherit, and the client's) fill in a few chunks."""
+    next send waits past the send timeout and the stream is cut off, its row freed, while the next
+    request is served. A long served name makes every chunk large, and small socket buffers (the
+    listening socket's, which connections inherit, and the client's) fill in a few chunks."""
     name = "m" * 8192
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -98,11 +98,12 @@ def test_a_client_that_stops_reading_is_cut_off_and_the_next_request_served(engi
         head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         silent.sendall(head.encode() + body)
         wait_until(lambda: server.admission.running == 1, what="the silent client's stream to start")
-        # The next request waits for the engine, which the silent client holds until it is cut off.
         answer = httpx.post(f"{url}/completions", json={"model": name, "prompt": "The Eiffel Tower is in", "max_tokens": 6,
                                                           "temperature": 0}, timeout=120)
         assert answer.status_code == 200
         assert answer.json()["choices"][0]["text"] == engine.generate("The Eiffel Tower is in", max_new_tokens=6).text
+        # Read nothing until the silent client is cut off: reading would let its stream go on.
+        wait_until(lambda: server.admission.running == 0, timeout=60, what="the silent client to be cut off")
         received = b""
         silent.settimeout(30)
         while chunk := silent.recv(1 << 16):
