@@ -11,10 +11,6 @@ rotated per item, through:
 - `stream`: `engine.stream`, read to its end on the main thread;
 - `worker-thread`: `engine.generate` from another thread (a thread pool's);
 - `asyncio`: `await engine.stream(...).acollect()` in an event loop;
-- `caller-thread` and `thread-per-call`: the engine's own step function run as generations ran before
-  the engine had a thread of its own, on the calling thread (as `generate` did) and on a new thread
-  per generation (as `stream` did), for comparison.
-
 It prints ms per decode step (decode time over target forwards after the prefill) per way, its
 ratio to `generate`, and checks that every way gave the same tokens.
 """
@@ -25,7 +21,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.decoding.result import Channel, GenerationResult, GenerationStream
+from rag_speculate.decoding.result import GenerationResult
 from rag_speculate.entrypoints.prompt import prepare
 
 DATA = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"
@@ -49,21 +44,6 @@ def rag_items(n: int) -> list[tuple[str, list[str]]]:
 def ways(engine: SpeculativeEngine) -> dict:
     pool = ThreadPoolExecutor(1)
 
-    def steps_here(request, channel: Channel) -> None:
-        engine._scheduler.submit(request, channel)  # not woken: the steps run on this thread
-        while engine._scheduler.step():
-            pass
-
-    def old_loop(request) -> GenerationResult:
-        channel = Channel()
-        steps_here(request, channel)
-        return GenerationStream(channel).collect()
-
-    def thread_per_call(request) -> GenerationResult:
-        channel = Channel()
-        threading.Thread(target=steps_here, args=(request, channel)).start()
-        return GenerationStream(channel).collect()
-
     def read_deltas(request) -> GenerationResult:
         stream = engine.stream_request(request)
         for _ in stream:  # delta by delta, as a caller showing them would
@@ -75,8 +55,6 @@ def ways(engine: SpeculativeEngine) -> dict:
         "stream": read_deltas,
         "worker-thread": lambda request: pool.submit(lambda: engine.stream_request(request).collect()).result(),
         "asyncio": lambda request: asyncio.run(engine.stream_request(request).acollect()),
-        "caller-thread": old_loop,
-        "thread-per-call": thread_per_call,
     }
 
 
