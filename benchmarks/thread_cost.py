@@ -10,7 +10,8 @@ rotated per item, through:
 - `generate`: `engine.generate` from the main thread;
 - `stream`: `engine.stream`, read to its end on the main thread;
 - `worker-thread`: `engine.generate` from another thread (a thread pool's);
-- `asyncio`: `await engine.stream(...).acollect()` in an event loop;
+- `asyncio`: `await engine.stream(...).acollect()` in an event loop.
+
 It prints ms per decode step (decode time over target forwards after the prefill) per way, its
 ratio to `generate`, and checks that every way gave the same tokens.
 """
