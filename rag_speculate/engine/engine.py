@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # prefix of each draft that pays for its measured cost (budget.py). On a CPU a forward's cost grows
 # with every token fed, so more than 16 rarely pays; on a GPU a larger budget costs little more.
 DEFAULT_DRAFT_BUDGET = 16
-# Generations run together at most, by default (docs/benchmarks.md, "Serving", measured how many pay).
+# Generations run together at most, by default: room for a server's clients while drafts shrink as rows are added.
 DEFAULT_MAX_BATCH = 8
 # Prompt tokens a joining sequence feeds per step while others decode: their steps wait at most this long.
 DEFAULT_PREFILL_CHUNK = 128
