@@ -2,11 +2,11 @@
  * fp32 (AVX-512F or AVX2 + FMA), bf16 with -DLINEAR_BF16 (AVX512-BF16's pair products with
  * -DBF16_DOT, else each bf16 widened to fp32 and multiplied in fp32); OpenMP over the weight's rows.
  *
- * Quantized weights, x and y in fp32 or bf16 (`linear_quantized`): with -DWEIGHTS_Q8, int8 values
- * and a scale per group of k, w = scale * q; with -DWEIGHTS_Q4, 4-bit values and a scale and an
- * offset per group, w = fma(q, scale, offset). Each weight is made fp32 that way, exactly the same
- * whenever it is read, and then summed as an fp32 weight is: a quantized layer computes what an
- * fp32 layer holding the dequantized weights computes, bit for bit.
+ * 4-bit weights, x and y in fp32 or bf16 (`linear_quantized`, -DWEIGHTS_Q4): values with a scale
+ * and an offset per group of k, w = fma(q, scale, offset). Each weight is made fp32 that way,
+ * exactly the same whenever it is read, and then summed as an fp32 weight is: a quantized layer
+ * computes what an fp32 layer holding the dequantized weights computes, bit for bit. (int8 weights
+ * meet int8 activations in their own kernel, linear_q8.c.)
  *
  * The invariant: an output y[m][n] is the same sequence of operations on the same inputs, whatever
  * M and whatever rows sit beside m. Its vector accumulator adds w[n][k..k+LANES) x[m][k..k+LANES)
@@ -37,9 +37,6 @@ typedef __m512 acc_t;
 #define fmadd(a, b, acc) _mm512_fmadd_ps(a, b, acc)
 #define widen(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define store_f32(p, v) _mm512_storeu_ps(p, v)
-/* 16 int8 values as fp32. */
-#define q8_to_f32(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define mul(a, b) _mm512_mul_ps(a, b)
 #define set1(f) _mm512_set1_ps(f)
 /* 16 4-bit values from the 8 bytes at p (see Q4 below): lane e takes dword e % 2 shifted by 4 (e / 2). */
 static inline __m512 q4_to_f32(const uint8_t *p, int64_t half) {
@@ -66,8 +63,6 @@ static inline float sum(__m256 v) {
 #define fmadd(a, b, acc) _mm256_fmadd_ps(a, b, acc)
 #define widen(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define store_f32(p, v) _mm256_storeu_ps(p, v)
-#define q8_to_f32(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define mul(a, b) _mm256_mul_ps(a, b)
 #define set1(f) _mm256_set1_ps(f)
 /* Values 8 * half .. 8 * half + 7 of the 16 whose 4 bits the 8 bytes at p hold (see Q4 below). */
 static inline __m256 q4_to_f32(const uint8_t *p, int64_t half) {
@@ -137,15 +132,15 @@ typedef acc_t vec_x;
 #define from_float(v) (v)
 #endif
 
-#if defined(WEIGHTS_Q8) || defined(WEIGHTS_Q4)
+#ifdef WEIGHTS_Q4
 #define QUANTIZED 1
 #ifdef BF16_DOT
 #error "quantized weights are widened to fp32: no BF16_DOT"
 #endif
 #endif
 
-/* Where a kernel reads its weights: N rows of K, plain (`w`), or quantized values with a scale (and
- * for Q4 an offset) per group of 2^group_shift values along k, `groups` per row.
+/* Where a kernel reads its weights: N rows of K, plain (`w`), or 4-bit values with a scale and an
+ * offset per group of 2^group_shift values along k, `groups` per row.
  * Q4 packs each 16 values of a row in 8 bytes: the low dword holds values 0, 2, .., 14 and the high
  * one values 1, 3, .., 15, 4 bits each from the lowest, so one broadcast and one shift per lane
  * unpack them in order on AVX2 and AVX-512 alike. A tile may instead read `scratch`: fp32 weights
@@ -164,12 +159,8 @@ static inline __attribute__((always_inline)) vec_w load_w_at(const weights *W, i
 #ifdef QUANTIZED
     if (scratch) return load_f32(W->scratch + (n - W->n_base) * W->ld + (k - W->k_base));
     const float s = W->scale[n * W->groups + (k >> W->group_shift)];
-#ifdef WEIGHTS_Q8
-    return mul(q8_to_f32((const int8_t *)W->q + n * W->K + k), set1(s));
-#else
     const float o = W->offset[n * W->groups + (k >> W->group_shift)];
     return fmadd(q4_to_f32((const uint8_t *)W->q + n * (W->K / 2) + (k / 16) * 8, (k / LANES) & 1), set1(s), set1(o));
-#endif
 #else
     (void)scratch;
     return load_w(W->w + n * W->K + k);
@@ -187,26 +178,21 @@ static inline __attribute__((always_inline)) void tile(const xelem *x, const wei
         for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i];
 #ifdef QUANTIZED
     if (!scratch) {
-        /* Group by group: each row's scale (and offset) broadcast once per group, not once per step;
+        /* Group by group: each row's scale and offset broadcast once per group, not once per step;
          * the same operations on the same values as `load_w_at`, so the same bits. */
         const int64_t shift = W->group_shift;
         for (int64_t k = k0; k < k1;) {
             const int64_t g = k >> shift, next = shift >= 62 ? k1 : (g + 1) << shift, end = next < k1 ? next : k1;
             vec_w sv[W_ROWS];
-            for (int j = 0; j < r; j++) sv[j] = set1(W->scale[(n + j) * W->groups + g]);
-#ifdef WEIGHTS_Q4
             vec_w ov[W_ROWS];
-            for (int j = 0; j < r; j++) ov[j] = set1(W->offset[(n + j) * W->groups + g]);
-#endif
+            for (int j = 0; j < r; j++) {
+                sv[j] = set1(W->scale[(n + j) * W->groups + g]);
+                ov[j] = set1(W->offset[(n + j) * W->groups + g]);
+            }
             for (; k < end; k += STEP) {
                 vec_w wv[W_ROWS];
-                for (int j = 0; j < r; j++) {
-#ifdef WEIGHTS_Q8
-                    wv[j] = mul(q8_to_f32((const int8_t *)W->q + (n + j) * K + k), sv[j]);
-#else
+                for (int j = 0; j < r; j++)
                     wv[j] = fmadd(q4_to_f32((const uint8_t *)W->q + (n + j) * (K / 2) + (k / 16) * 8, (k / LANES) & 1), sv[j], ov[j]);
-#endif
-                }
                 for (int i = 0; i < m; i++) {
                     const vec_x xv = load_x(x + i * K + k);
                     for (int j = 0; j < r; j++) a[j][i] = madd(a[j][i], wv[j], xv);
@@ -289,7 +275,9 @@ static void run(const elem *x_in, const weights *weights_in, const elem *bias, e
     const int64_t kv = K - K % STEP, blocks = (N + BLOCK_N - 1) / BLOCK_N;
     /* A few rows are bound by reading the weights: one chunk, the whole of k, reads each weight row once. */
     const int64_t chunk = M <= X_ROWS ? (kv > 0 ? kv : STEP) : CHUNK_K;
-    const int64_t tiles_m = (BLOCK_M + X_ROWS - 1) / X_ROWS, tiles_n = BLOCK_N;
+    /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
+     * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
+    const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS, tiles_n = BLOCK_N;
 #ifdef QUANTIZED
     const int scratch = M > X_ROWS;
 #else
@@ -306,7 +294,8 @@ static void run(const elem *x_in, const weights *weights_in, const elem *bias, e
             const int64_t n_start = b * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
             for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
                 const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
-                for (int64_t t = 0; t < tiles_m * tiles_n * X_ROWS; t++) accs[t] = zero();
+                /* Only the tiles this block of rows uses: a decoding step's one row clears one. */
+                for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * tiles_n * X_ROWS; t++) accs[t] = zero();
                 for (int64_t k0 = 0; k0 < kv; k0 += chunk) {
                     const int64_t k1 = k0 + chunk < kv ? k0 + chunk : kv;
                     if (scratch) {
@@ -343,7 +332,7 @@ static void run(const elem *x_in, const weights *weights_in, const elem *bias, e
 }
 
 #ifdef QUANTIZED
-/* The weights quantized (see `weights`): K a multiple of 16, groups of 2^group_shift >= 16 values
+/* 4-bit weights (see `weights`): K a multiple of 16, groups of 2^group_shift >= 16 values
  * (one group per row: a group_shift past K's bits). */
 void linear_quantized(const elem *x, const void *q, const float *scale, const float *offset, int64_t group_shift,
                       const elem *bias, elem *out, int64_t M, int64_t N, int64_t K, int threads) {

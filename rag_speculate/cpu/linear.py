@@ -29,10 +29,13 @@ from ..devices import cpu_flags
 from .build import BASE_FLAGS, compile_kernel
 
 _SOURCE = Path(__file__).with_name("linear.c")
+# int8 weights take int8 activations: integer products, their own kernel (AVX2, fp32 in and out).
+_Q8_SOURCE = Path(__file__).with_name("linear_q8.c")
 # AVX-512 where torch found it (more registers: larger tiles), else AVX2.
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Weights as they are (""), or quantized: int8 with a scale per group, 4 bits with a scale and an offset.
+# Weights as they are (""), or quantized: int8 with a scale per group (with int8 activations), 4 bits
+# with a scale and an offset.
 WEIGHT_FORMATS = ("", "q8", "q4")
 
 
@@ -93,6 +96,8 @@ def linear_library(dtype: torch.dtype = torch.float32, weights: str = "") -> tup
     """The compiled kernel for activations of `dtype` and weights in `dtype` ("") or a quantized
     format ("q8", "q4"), built into the cache on first use; or None and why not."""
     capability = torch.backends.cpu.get_cpu_capability()
+    if weights == "q8":
+        return build_linear_q8(_Q8_SOURCE, capability)
     return build_linear(_SOURCE, dtype, capability, weights)
 
 
@@ -106,8 +111,8 @@ def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str =
         return None, f"the linear kernel needs AVX2 and FMA; torch reports {isa}"
     if dtype not in _KERNEL_DTYPES:
         return None, f"the linear kernel is for fp32 and bf16, not {dtype}"
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weights!r}: one of {WEIGHT_FORMATS}")
+    if weights not in WEIGHT_FORMATS or weights == "q8":
+        raise ValueError(f"unknown weight format {weights!r} for {source_path.name}: one of '', 'q4' (q8: build_linear_q8)")
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
     if dtype == torch.bfloat16:
         flags.append("-DLINEAR_BF16")
@@ -121,35 +126,55 @@ def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str =
     if lib is None:
         return None, reason
     if weights:
-        lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        lib.linear_quantized.restype = None
+        _declare_quantized(lib)
     else:
         lib.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.linear.restype = None
     return lib, ""
 
 
+def build_linear_q8(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, str]:
+    """`source_path` (`linear_q8.c`, or a version a benchmark compares) compiled for AVX2 (which
+    every CPU the kernels serve has) into the cache unless already there, and loaded; or None and why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the int8 kernel is written for x86-64, this CPU is {platform.machine()}"
+    if isa not in ISA_FLAGS:
+        return None, f"the int8 kernel needs AVX2 and FMA; torch reports {isa}"
+    lib, reason = compile_kernel(source_path, [*BASE_FLAGS, *ISA_FLAGS["AVX2"]], "linear-q8-avx2", "the int8 kernel")
+    if lib is not None:
+        _declare_quantized(lib)
+    return lib, reason
+
+
+def _declare_quantized(lib: ctypes.CDLL) -> None:
+    lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.linear_quantized.restype = None
+
+
 def run_quantized(
     library: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
     group_shift: int, out_features: int, bias: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, w, bias)` for the quantized weights `w` (`linear.c`'s formats: q8 values `q`
-    [out, in] int8, or q4 values packed [out, in / 2] uint8; fp32 `scale` and `offset` per group of
-    2**group_shift) through `library`, built for x's dtype and their format."""
+    """`F.linear(x, w, bias)` for the quantized weights `w` through `library`: q8 values `q` [out, in]
+    int8 (`linear_q8.c`: x quantized to int8 row by row, fp32 in and out, so bf16 is widened first),
+    or q4 values packed [out, in / 2] uint8 (`linear.c`, built for x's dtype); fp32 `scale` and
+    `offset` per group of 2**group_shift."""
     _check_cpu_tensors("the linear kernel", x.dtype, x, bias)
     features = x.shape[-1]
-    per_row = features if q.dtype == torch.int8 else features // 2
-    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % 16:
+    int8 = q.dtype == torch.int8
+    per_row = features if int8 else features // 2
+    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % (32 if int8 else 16):
         raise ValueError(f"quantized weights of shape {tuple(q.shape)} do not take {features} features")
     rows = x.numel() // features
-    flat = x.reshape(rows, features).contiguous()
-    out = torch.empty(rows, out_features, dtype=x.dtype, device="cpu")
+    dtype = torch.float32 if int8 else x.dtype
+    flat = x.reshape(rows, features).to(dtype).contiguous()
+    bias = None if bias is None else bias.to(dtype).contiguous()
+    out = torch.empty(rows, out_features, dtype=dtype, device="cpu")
     library.linear_quantized(
         flat.data_ptr(), q.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(), group_shift,
-        None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), rows, out_features, features,
-        torch.get_num_threads(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features, features, torch.get_num_threads(),
     )  # fmt: skip
-    return out.reshape(*x.shape[:-1], out_features)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:

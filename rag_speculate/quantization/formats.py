@@ -1,19 +1,22 @@
-"""Weight-only quantized formats the CPU kernel reads (`cpu/linear.c`), and how weights get there.
+"""Quantized formats the CPU kernels read (`cpu/linear_q8.c`, `cpu/linear.c`), and how weights get there.
 
 Two formats, each a scale (and for 4 bits an offset) per group of 2**group_shift values along a row:
 
-- q8: int8 values, w = scale * q;
+- q8: int8 values, w = scale * q, multiplied by int8 activations: each row of x is quantized on
+  its own per block of 32 values (`quantize_activations`, as llama.cpp does for its Q8_0 products),
+  so the products are integer dot products;
 - q4: 4-bit values in [0, 15], w = fma(q, scale, offset), packed two to a byte in the kernel's
   order (per 16 values, 8 bytes: the low dword holds the values at even places, the high one those
-  at odd places, 4 bits each from the lowest).
+  at odd places, 4 bits each from the lowest), multiplied by activations in the model's dtype.
 
-A weight's fp32 value is computed once, exactly as written (one rounding), wherever it is read, and
-is then summed as an fp32 weight: a quantized layer computes what an fp32 layer holding
-`dequantize(weight)` computes. Scales and offsets are fp32, so a GGUF file's blocks (a half-precision
-scale times a small integer) are held exactly (`quantization/gguf.py`).
+Either way a row's result depends on that row alone, so speculation over a quantized model gives
+exactly what `generate` of the same quantized model gives. For q4 a weight's fp32 value is computed
+once, exactly as written, and summed as an fp32 weight: the layer computes what an fp32 layer
+holding `dequantize(weight)` computes. Scales and offsets are fp32, so a GGUF file's blocks (a
+half-precision scale times a small integer) are held exactly (`quantization/gguf.py`).
 
     weight = quantize(linear.weight, "int4")   # QuantizedWeight, q4 in groups of 32
-    dequantize(weight)                         # the fp32 weights the kernel multiplies by
+    dequantize(weight)                         # the fp32 weights the kernels multiply by
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-# group_shift for one group per row (per output channel): past any row's length.
-PER_ROW = 62
-# Values per group of our own 4-bit quantization: as fine as GGUF's Q4_K.
-INT4_GROUP = 32
+# Values per group of our own quantization: as fine as GGUF's Q8_0 and Q4_K.
+GROUP = 32
+# Activation values per int8 scale (q8): as llama.cpp quantizes them for Q8_0.
+ACTIVATION_BLOCK = 32
 
 
 @dataclass
@@ -35,7 +38,7 @@ class QuantizedWeight:
     """A [out_features, in_features] weight in one of the kernel's formats, on the CPU."""
 
     format: str  # "q8" or "q4"
-    values: torch.Tensor  # q8: int8 [out, in]; q4: uint8 [out, in / 2], packed
+    values: torch.Tensor  # q8: int8 [out, in] in [-128, 127]; q4: uint8 [out, in / 2], packed
     scale: torch.Tensor  # fp32 [out, groups]
     offset: torch.Tensor | None  # fp32 [out, groups] for q4, else None
     group_shift: int
@@ -48,33 +51,36 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def quantize(weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
-    """`weight` [out, in] as "int8" (symmetric, one scale per output row) or "int4" (a scale and
-    an offset per `group` values: the group's minimum and its range over 15 steps)."""
+def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantizedWeight:
+    """`weight` [out, in] as "int8" (symmetric, a scale per `group` values: its largest magnitude
+    over 127, as GGUF's Q8_0) or "int4" (a scale and an offset per `group` values: the group's
+    minimum and its range over 15 steps)."""
+    if method not in ("int8", "int4"):
+        raise InvalidArgumentError(f"unknown quantization {method!r}: 'int8' or 'int4'", "quantization")
     w = weight.detach().to(torch.float32, copy=True).cpu()
     out_features, in_features = w.shape
+    groups = w.reshape(out_features, in_features // group, group)
+    shift = group.bit_length() - 1
     if method == "int8":
-        scale = w.abs().amax(dim=1, keepdim=True) / 127
-        q = torch.round(w / torch.where(scale > 0, scale, 1)).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight("q8", q.contiguous(), scale.contiguous(), None, PER_ROW, (out_features, in_features))
-    if method == "int4":
-        groups = w.reshape(out_features, in_features // group, group)
-        low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
-        scale = (high - low) / 15
-        q = torch.round((groups - low) / torch.where(scale > 0, scale, 1)).clamp(0, 15).to(torch.uint8)
-        return QuantizedWeight(
-            "q4", pack_q4(q.reshape(out_features, in_features)), scale[..., 0].contiguous(), low[..., 0].contiguous(),
-            group.bit_length() - 1, (out_features, in_features),
-        )  # fmt: skip
-    raise InvalidArgumentError(f"unknown quantization {method!r}: 'int8' or 'int4'", "quantization")
+        scale = groups.abs().amax(dim=2, keepdim=True) / 127
+        q = torch.round(groups / torch.where(scale > 0, scale, 1)).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("q8", q.reshape(out_features, in_features).contiguous(), scale[..., 0].contiguous(), None, shift,
+                               (out_features, in_features))  # fmt: skip
+    low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+    scale = (high - low) / 15
+    q = torch.round((groups - low) / torch.where(scale > 0, scale, 1)).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(
+        "q4", pack_q4(q.reshape(out_features, in_features)), scale[..., 0].contiguous(), low[..., 0].contiguous(),
+        shift, (out_features, in_features),
+    )  # fmt: skip
 
 
-def fits(in_features: int, method: str, group: int = INT4_GROUP) -> str:
-    """Why a layer of `in_features` inputs cannot take `method` ("" when it can): the kernel reads
-    whole groups of 16 values."""
-    if in_features % 16:
-        return f"{in_features} inputs is not a multiple of 16"
-    if method == "int4" and in_features % group:
+def fits(in_features: int, method: str, group: int = GROUP) -> str:
+    """Why a layer of `in_features` inputs cannot take `method` ("" when it can): the kernels read
+    whole groups, and int8 activations come in blocks of 32."""
+    if method == "int8" and in_features % ACTIVATION_BLOCK:
+        return f"{in_features} inputs is not a multiple of the activation block of {ACTIVATION_BLOCK}"
+    if in_features % group:
         return f"{in_features} inputs is not a multiple of the group of {group}"
     return ""
 
@@ -91,6 +97,16 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     # fma(q, scale, offset), rounded once: q * scale is exact in float64, and so is the sum for
     # the offsets and scales of one group, which are of a size.
     return (q.to(torch.float64) * scale.to(torch.float64) + offset.to(torch.float64)).to(torch.float32)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Activations `x` [..., in] as a q8 layer sees them, in fp32: each row per block of 32, d =
+    max|x| / 127 and q = round(x * (127 / max|x|)) (ties to even), as `linear_q8.c` quantizes
+    them; here q * d (the kernel keeps q and d apart and sums q's integer products)."""
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
+    return (q * (amax / 127)).reshape(x.shape)
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:

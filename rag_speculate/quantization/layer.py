@@ -1,9 +1,9 @@
 """A model's linear layers with quantized weights: `quantize_model` replaces them in place.
 
-`QuantizedLinear` keeps the activations in the model's dtype and computes every row as if it were
-alone (the CPU kernel's invariant, `cpu/kernels.py`), so speculation over a quantized model gives
-exactly what `generate` of that same quantized model gives. Off the CPU, or where the kernel
-cannot be built, it multiplies by the dequantized fp32 weights with torch (correct, not fast).
+`QuantizedLinear` computes every row as if it were alone (the CPU kernels' invariant,
+`cpu/kernels.py`; q8 quantizes each row's activations on its own), so speculation over a quantized
+model gives exactly what `generate` of that same quantized model gives. Off the CPU, or where the
+kernel cannot be built, torch computes the same product from the dequantized values (correct, not fast).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidArgumentError
 from ..fingerprint import changed_weights
-from .formats import INT4_GROUP, QuantizedWeight, dequantize, fits, quantize
+from .formats import GROUP, QuantizedWeight, dequantize, fits, quantize, quantize_activations
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class QuantizedLinear(torch.nn.Module):
             return run_quantized(library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias)
         weight = dequantize(self.weight).to(x.device)
         bias = None if self.bias is None else self.bias.to(x.device, torch.float32)
-        return F.linear(x.to(torch.float32), weight, bias).to(x.dtype)
+        inputs = quantize_activations(x) if self.format == "q8" else x.to(torch.float32)
+        return F.linear(inputs, weight, bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, group={1 << self.group_shift}"
@@ -85,7 +86,7 @@ def already_quantized(model: torch.nn.Module) -> str:
 
 
 def quantize_model(
-    model: torch.nn.Module, method: str, weights: dict[str, QuantizedWeight] | None = None, group: int = INT4_GROUP
+    model: torch.nn.Module, method: str, weights: dict[str, QuantizedWeight] | None = None, group: int = GROUP
 ) -> dict[str, str]:
     """Replace `model`'s linear layers by quantized ones, in place: quantized here by `method`
     ("int8", "int4"), or given in `weights` (by module name, from a GGUF file: method "gguf").

@@ -44,10 +44,13 @@ def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, dtype, isa):
-    from rag_speculate.cpu.linear import _SOURCE, run_quantized
+    from rag_speculate.cpu.linear import _Q8_SOURCE, _SOURCE, build_linear_q8, run_quantized
     from rag_speculate.quantization.formats import quantize
 
-    library = _built(lambda d, i: build_linear(_SOURCE, d, i, "q8" if method == "int8" else "q4"), dtype, isa)
+    if method == "int8":
+        library = _built(lambda d, i: build_linear_q8(_Q8_SOURCE, i), dtype, isa)
+    else:
+        library = _built(lambda d, i: build_linear(_SOURCE, d, i, "q4"), dtype, isa)
     generator = torch.Generator().manual_seed(0)
     weight = quantize(torch.randn(1536, 256, generator=generator), method)
     bias = torch.randn(1536, generator=generator).to(dtype)

@@ -1,0 +1,186 @@
+/* y = x W^T (+ b) with int8 weights and int8 activations, in fp32 in and out, for any number of rows
+ * of x, each row summed the same way whatever the others (AVX2: integer pair products).
+ *
+ * The weights: int8 values q[n][k] with an fp32 scale per group of 2^group_shift >= 16 values along
+ * k (GGUF's Q8_0 has groups of 32; Q6_K, held as int8, of 16). Each row of x is quantized on its own,
+ * as llama.cpp quantizes activations for its Q8_0 dot products: per block of 32 values, a scale
+ * d = max|x| / 127 and values round(x / d) in [-127, 127]. So a row's quantized values depend on that
+ * row alone, and
+ *     y[m][n] = sum over blocks b of  d_x[m][b] * (d_w[n][b] * (integer dot product of the block)),
+ * the integer products exact (32 products of at most 127 x 128 fit int16 pairs and int32 lanes).
+ *
+ * The invariant: y[m][n] is the same sequence of operations on the same inputs, whatever M and
+ * whatever rows sit beside m. Its accumulator takes blocks b = 0, 1, 2, ... in order, each an fma of
+ * the block's 8 int32 lane sums (as fp32) by the block's scale vector; then the 8 lanes are summed in
+ * a fixed pattern, then the bias, rounded once. Tiling, blocking and threading only choose which
+ * outputs are computed together, never how one is summed.
+ *
+ * Few rows (decoding, a draft tree) are bound by reading the weights, a byte each, read once for all
+ * rows of a tile; a prefill keeps a block of weights in L2 while tiles of rows pass it, as linear.c.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 32     /* activation values per scale */
+#ifndef W_ROWS
+#define W_ROWS 4     /* weight rows per tile */
+#define X_ROWS 2     /* rows of x per tile: accumulators, weights, their scales and temporaries fill AVX2's 16 registers */
+#endif
+#define BLOCK_M 192  /* rows of x per cache block */
+#define BLOCK_N 64   /* weight rows per cache block, a multiple of W_ROWS */
+#define CHUNK_K 1024 /* values of k per chunk, a multiple of BLOCK */
+
+/* A row of x quantized: its int8 values, and per block the scale. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int64_t K;
+} acts;
+
+typedef struct {
+    const int8_t *q;
+    const float *scale;
+    int64_t K, groups, group_shift;
+} weights;
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* Row `x` (K values) into `q` and `d`: per block, d = max|x| / 127 and q = round(x * (127 / max|x|)),
+ * ties to even; an all-zero block gets d = 0 and q = 0. */
+static void quantize_row(const float *x, int8_t *q, float *d, int64_t K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / BLOCK; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        d[b] = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i n[4];
+        for (int i = 0; i < 4; i++)
+            n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        /* Packing works within 128-bit halves: the permute puts the 32 values back in order. */
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * BLOCK), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+/* Weight row n's scales for block b as 8 lanes: lanes 0-3 sum values 0-15 of the block, lanes 4-7
+ * values 16-31, so groups of 16 take a scale per half. */
+static inline __m256 weight_scale(const weights *W, int64_t n, int64_t b) {
+    const float *s = W->scale + n * W->groups;
+    if (W->group_shift == 4) return _mm256_setr_m128(_mm_set1_ps(s[2 * b]), _mm_set1_ps(s[2 * b + 1]));
+    return _mm256_set1_ps(s[(b * BLOCK) >> W->group_shift]);
+}
+
+/* m rows of x against r weight rows over blocks [b0, b1), adding to the accumulators `acc` (r x m,
+ * kept between calls). The weight's magnitude meets x's value with the weight's sign (maddubs
+ * multiplies unsigned by signed bytes): |w| <= 128 and |q| <= 127, so no pair sum saturates. */
+static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc,
+                                                       const int m, const int r, int64_t b0, int64_t b1) {
+    const int64_t K = W->K, KB = K / BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a[W_ROWS][X_ROWS];
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i];
+    /* The next tile's weights, spread over this tile's blocks: the rows read side by side confuse the
+     * hardware's prefetcher where they are short. */
+    const int8_t *next = W->q + (n + r) * K + b0 * BLOCK;
+    const int64_t ahead = r * (b1 - b0) * BLOCK / (b1 - b0);
+    for (int64_t b = b0; b < b1; b++) {
+        for (int64_t p = 0; p < ahead; p += 64) _mm_prefetch((const char *)(next + (b - b0) * ahead + p), _MM_HINT_T1);
+        __m256i wq[W_ROWS], wm[W_ROWS];
+        __m256 ws[W_ROWS];
+        for (int j = 0; j < r; j++) {
+            wq[j] = _mm256_loadu_si256((const __m256i *)(W->q + (n + j) * K + b * BLOCK));
+            wm[j] = _mm256_abs_epi8(wq[j]);
+            ws[j] = weight_scale(W, n + j, b);
+        }
+        for (int i = 0; i < m; i++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + b * BLOCK));
+            const __m256 xd = _mm256_broadcast_ss(A->d + (i0 + i) * KB + b);
+            for (int j = 0; j < r; j++) {
+                const __m256i pairs = _mm256_maddubs_epi16(wm[j], _mm256_sign_epi8(xq, wq[j]));
+                const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                a[j][i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(xd, ws[j]), a[j][i]);
+            }
+        }
+    }
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < m; i++) acc[j * X_ROWS + i] = a[j][i];
+}
+
+#define TILES(m)                                                                                                           \
+    static void full_##m(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc, int64_t b0, int64_t b1) {   \
+        tile(A, i0, W, n, acc, m, W_ROWS, b0, b1);                                                                         \
+    }                                                                                                                      \
+    static void single_##m(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc, int64_t b0, int64_t b1) { \
+        tile(A, i0, W, n, acc, m, 1, b0, b1);                                                                              \
+    }
+typedef void (*tile_fn)(const acts *, int64_t, const weights *, int64_t, __m256 *, int64_t, int64_t);
+TILES(1) TILES(2) TILES(3) TILES(4)
+static const tile_fn FULL[] = {0, full_1, full_2, full_3, full_4};
+static const tile_fn SINGLE[] = {0, single_1, single_2, single_3, single_4};
+
+/* x: M x K fp32 (K a multiple of 32), q: N x K int8, scale: N x groups, bias: N or NULL, out: M x N. */
+void linear_quantized(const float *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
+                      const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)offset;
+    const weights W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift};
+    const int64_t KB = K / BLOCK;
+    acts A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * KB), .K = K};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, A.q + i * K, A.d + i * KB, K);
+
+    /* A few rows are bound by reading the weights: one chunk, the whole of k, reads each weight row once. */
+    const int64_t chunk = M <= X_ROWS ? KB : CHUNK_K / BLOCK, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
+     * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
+    const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
+#pragma omp parallel num_threads(threads)
+    {
+        __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * BLOCK_N * X_ROWS);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
+            for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
+                const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
+                /* Only the tiles this block of rows uses: a decoding step's one row clears one. */
+                for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * BLOCK_N * X_ROWS; t++) accs[t] = _mm256_setzero_ps();
+                for (int64_t b0 = 0; b0 < KB; b0 += chunk) {
+                    const int64_t b1 = b0 + chunk < KB ? b0 + chunk : KB;
+                    for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
+                        const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
+                        __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
+                        for (int64_t n = n_start; n < n_end;) {
+                            const int full = n + W_ROWS <= n_end;
+                            (full ? FULL : SINGLE)[m](&A, m0, &W, n, row_accs + (n - n_start) * X_ROWS, b0, b1);
+                            n += full ? W_ROWS : 1;
+                        }
+                    }
+                }
+                for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
+                    const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
+                    const __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
+                    for (int64_t n = n_start; n < n_end; n++)
+                        for (int i = 0; i < m; i++)
+                            out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * X_ROWS + i]) + (bias ? bias[n] : 0.0f);
+                }
+            }
+        }
+        free(accs);
+    }
+    free(A.q);
+    free(A.d);
+}
