@@ -1,6 +1,6 @@
 /* Attention of query rows over a key/value cache, each row computed as if it were alone: fp32, or
- * bf16 (-DATTENTION_BF16: widened to fp32, one rounding at the end); AVX-512F or AVX2 + FMA; OpenMP
- * over query heads x rows.
+ * bf16 (-DATTENTION_BF16: widened to fp32, one rounding at the end); AVX-512F or AVX2 + FMA; query
+ * heads x rows shared among the kernels' threads (pool.c).
  *
  * The invariant: a query row's result is the same sequence of operations over the entries it sees,
  * whatever rows are beside it and whatever entries it does not see. Scores are dot products summed
@@ -12,6 +12,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,21 +115,36 @@ static inline vec exp_ps(vec x) {
  *
  * A block shares each load of a key or value chunk between up to BLOCK query vectors of the same
  * key/value head, and stops at the last entry any of them sees; every vector's own sums run in the
- * same order whatever its block holds. */
-void attention(const elem *q, const elem *k, const elem *v, const float *mask, elem *out, int64_t heads, int64_t kv_heads,
-               int64_t rows, int64_t length, int64_t dims, int64_t k_head_stride, int64_t v_head_stride, float scale,
-               int64_t causal, int threads) {
-    const int64_t group = heads / kv_heads, chunks = dims / LANES, padded = (length + LANES - 1) / LANES * LANES;
-    const int64_t vectors = group * rows, blocks = (vectors + BLOCK - 1) / BLOCK;
-#pragma omp parallel num_threads(threads)
-    {
-        float *p = malloc(sizeof(float) * BLOCK * padded);
-        float *query = malloc(sizeof(float) * BLOCK * dims);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < kv_heads * blocks; task++) {
+ * same order whatever its block holds. The blocks are shared among the kernels' threads (`pool.c`),
+ * 4 at a time, as they come: a causal prefill's later rows see more entries. */
+typedef struct {
+    const elem *q, *k, *v;
+    const float *mask;
+    elem *out;
+    int64_t heads, kv_heads, rows, length, dims, k_head_stride, v_head_stride, causal;
+    float scale;
+    atomic_llong next;
+} job;
+
+void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
+
+static void attend_part(void *ctx, int64_t part, int64_t parts) {
+    (void)part, (void)parts;
+    job *J = ctx;
+    const elem *q = J->q, *k = J->k, *v = J->v;
+    const float *mask = J->mask;
+    elem *out = J->out;
+    const int64_t rows = J->rows, length = J->length, dims = J->dims, causal = J->causal;
+    const float scale = J->scale;
+    const int64_t group = J->heads / J->kv_heads, chunks = dims / LANES, padded = (length + LANES - 1) / LANES * LANES;
+    const int64_t vectors = group * rows, blocks = (vectors + BLOCK - 1) / BLOCK, tasks = J->kv_heads * blocks;
+    float *p = malloc(sizeof(float) * BLOCK * padded);
+    float *query = malloc(sizeof(float) * BLOCK * dims);
+    for (int64_t start; (start = atomic_fetch_add(&J->next, 4)) < tasks;)
+        for (int64_t task = start; task < start + 4 && task < tasks; task++) {
             const int64_t g = task / blocks, first = task % blocks * BLOCK;
             const int64_t n = vectors - first < BLOCK ? vectors - first : BLOCK;
-            const elem *keys = k + g * k_head_stride, *values = v + g * v_head_stride;
+            const elem *keys = k + g * J->k_head_stride, *values = v + g * J->v_head_stride;
             /* Vector b is query head g * group + (first + b) / rows, row (first + b) % rows: both
              * index [heads, rows] as one run, starting at head g * group. */
             const int64_t base = g * group * rows + first;
@@ -187,7 +203,16 @@ void attention(const elem *q, const elem *k, const elem *v, const float *mask, e
                     }
             }
         }
-        free(query);
-        free(p);
-    }
+    free(query);
+    free(p);
+}
+
+void attention(const elem *q, const elem *k, const elem *v, const float *mask, elem *out, int64_t heads, int64_t kv_heads,
+               int64_t rows, int64_t length, int64_t dims, int64_t k_head_stride, int64_t v_head_stride, float scale,
+               int64_t causal, int threads) {
+    job J = {.q = q, .k = k, .v = v, .mask = mask, .out = out, .heads = heads, .kv_heads = kv_heads, .rows = rows,
+             .length = length, .dims = dims, .k_head_stride = k_head_stride, .v_head_stride = v_head_stride,
+             .causal = causal, .scale = scale};
+    atomic_init(&J.next, 0);
+    pool_run(attend_part, &J, threads);
 }

@@ -9,6 +9,7 @@ was built (in the same private folder). Anything else is rebuilt.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -19,7 +20,9 @@ from pathlib import Path
 from ..files import atomic_write_bytes, cache_dir, sha256_file, sibling
 
 # -ffp-contract=off: the kernels' sums keep the order written, whatever the compiler fuses.
-BASE_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+BASE_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-shared", "-fPIC"]
+# The worker threads the kernels share (`pool.c`), loaded before any kernel, which links to it.
+_POOL = Path(__file__).with_name("pool.c")
 
 
 def kernels_dir() -> Path:
@@ -65,7 +68,21 @@ def _verified(library: Path) -> bool:
 
 def compile_kernel(source_path: Path, flags: list[str], stem: str, what: str) -> tuple[ctypes.CDLL | None, str]:
     """`source_path` compiled with `flags` into the cache unless a verified build is already there,
-    and loaded; or None and why not, naming the kernel as `what`."""
+    and loaded (after the kernels' thread pool, which it may call); or None and why not, naming the
+    kernel as `what`."""
+    reason = _load_pool()
+    if reason:
+        return None, f"{what} needs the kernels' thread pool: {reason}"
+    return _compile_and_load(source_path, flags, stem, what, ctypes.DEFAULT_MODE)
+
+
+@functools.cache
+def _load_pool() -> str:
+    """Load `pool.c` built, its symbols global so the kernels loaded later find `pool_run`; "" or why not."""
+    return _compile_and_load(_POOL, [*BASE_FLAGS, "-pthread"], "pool", "the kernels' thread pool", ctypes.RTLD_GLOBAL)[1]
+
+
+def _compile_and_load(source_path: Path, flags: list[str], stem: str, what: str, mode: int) -> tuple[ctypes.CDLL | None, str]:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, f"no C compiler (cc, gcc or $CC) to build {what}"
@@ -86,6 +103,6 @@ def compile_kernel(source_path: Path, flags: list[str], stem: str, what: str) ->
         if not _verified(library):
             return None, f"{what} at {library} changed while it was being built; not loading it"
     try:
-        return ctypes.CDLL(str(library)), ""
+        return ctypes.CDLL(str(library), mode=mode), ""
     except OSError as exc:
         return None, f"loading {what} {library} failed: {exc}"

@@ -1,6 +1,7 @@
 /* y = x W^T (+ b) for any number of rows of x, each row summed the same way whatever the others:
  * fp32 (AVX-512F or AVX2 + FMA), bf16 with -DLINEAR_BF16 (AVX512-BF16's pair products with
- * -DBF16_DOT, else each bf16 widened to fp32 and multiplied in fp32); OpenMP over the weight's rows.
+ * -DBF16_DOT, else each bf16 widened to fp32 and multiplied in fp32); the weight's rows shared among
+ * the kernels' threads (pool.c).
  *
  * 4-bit weights, x and y in fp32 or bf16 (`linear_quantized`, -DWEIGHTS_Q4): values with a scale
  * and an offset per group of k, w = fma(q, scale, offset). Each weight is made fp32 that way,
@@ -262,16 +263,24 @@ static void finish(const xelem *x, const weights *W, int64_t n, const elem *bias
  * weights stays in L2. Each tile's accumulators wait in `accs` between chunks. Quantized weights
  * are dequantized in registers for a few rows of x; for more, each block's chunk is dequantized
  * once into a scratch of fp32 (the same values) that every tile of rows reads. */
-static void run(const elem *x_in, const weights *weights_in, const elem *bias, elem *out, int64_t M, int64_t N, int64_t K,
-                int threads) {
-    const xelem *x = (const xelem *)x_in;
-    float *widened = NULL;
-#if defined(LINEAR_BF16) && !defined(BF16_DOT)
-    /* x widened to fp32 once here, not once per weight row; exact, so no output changes. */
-    widened = malloc(sizeof(float) * M * K);
-    for (int64_t i = 0; i < M * K; i++) widened[i] = to_float(x_in[i]);
-    x = widened;
-#endif
+/* One call's work, shared with the pool's parts (`pool.c`). */
+typedef struct {
+    const xelem *x;
+    const weights *W;
+    const elem *bias;
+    elem *out;
+    int64_t M, N, K;
+} job;
+
+void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
+
+/* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for every row of x. */
+static void run_part(void *ctx, int64_t part, int64_t parts) {
+    const job *J = ctx;
+    const xelem *x = J->x;
+    const elem *bias = J->bias;
+    elem *out = J->out;
+    const int64_t M = J->M, N = J->N, K = J->K;
     const int64_t kv = K - K % STEP, blocks = (N + BLOCK_N - 1) / BLOCK_N;
     /* A few rows are bound by reading the weights: one chunk, the whole of k, reads each weight row once. */
     const int64_t chunk = M <= X_ROWS ? (kv > 0 ? kv : STEP) : CHUNK_K;
@@ -283,51 +292,60 @@ static void run(const elem *x_in, const weights *weights_in, const elem *bias, e
 #else
     const int scratch = 0;
 #endif
-#pragma omp parallel num_threads(threads)
-    {
-        acc_t *accs = aligned_alloc(64, sizeof(acc_t) * tiles_m * tiles_n * X_ROWS);
-        weights W = *weights_in;
-        float *dequantized = scratch ? aligned_alloc(64, sizeof(float) * BLOCK_N * CHUNK_K) : NULL;
-        W.scratch = dequantized;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n_start = b * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
-            for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
-                const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
-                /* Only the tiles this block of rows uses: a decoding step's one row clears one. */
-                for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * tiles_n * X_ROWS; t++) accs[t] = zero();
-                for (int64_t k0 = 0; k0 < kv; k0 += chunk) {
-                    const int64_t k1 = k0 + chunk < kv ? k0 + chunk : kv;
-                    if (scratch) {
-                        W.ld = k1 - k0, W.n_base = n_start, W.k_base = k0;
-                        for (int64_t n = n_start; n < n_end; n++)
-                            for (int64_t k = k0; k < k1; k += LANES)
-                                store_f32(dequantized + (n - n_start) * W.ld + (k - k0), load_w_at(&W, n, k, 0));
-                    }
-                    for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                        const int64_t m = m_end - m0 < X_ROWS ? m_end - m0 : X_ROWS;
-                        acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
-                        for (int64_t n = n_start; n < n_end;) {
-                            const int full = n + W_ROWS <= n_end;
-                            (full ? FULL : SINGLE)[m](x + m0 * K, &W, n, row_accs + (n - n_start) * X_ROWS, k0, k1, scratch);
-                            n += full ? W_ROWS : 1;
-                        }
-                    }
+    acc_t *accs = aligned_alloc(64, sizeof(acc_t) * tiles_m * tiles_n * X_ROWS);
+    weights W = *J->W;
+    float *dequantized = scratch ? aligned_alloc(64, sizeof(float) * BLOCK_N * CHUNK_K) : NULL;
+    W.scratch = dequantized;
+    for (int64_t b = blocks * part / parts; b < blocks * (part + 1) / parts; b++) {
+        const int64_t n_start = b * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
+        for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
+            const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
+            /* Only the tiles this block of rows uses: a decoding step's one row clears one. */
+            for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * tiles_n * X_ROWS; t++) accs[t] = zero();
+            for (int64_t k0 = 0; k0 < kv; k0 += chunk) {
+                const int64_t k1 = k0 + chunk < kv ? k0 + chunk : kv;
+                if (scratch) {
+                    W.ld = k1 - k0, W.n_base = n_start, W.k_base = k0;
+                    for (int64_t n = n_start; n < n_end; n++)
+                        for (int64_t k = k0; k < k1; k += LANES)
+                            store_f32(dequantized + (n - n_start) * W.ld + (k - k0), load_w_at(&W, n, k, 0));
                 }
                 for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                    const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                    const acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
+                    const int64_t m = m_end - m0 < X_ROWS ? m_end - m0 : X_ROWS;
+                    acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
                     for (int64_t n = n_start; n < n_end;) {
-                        const int r = n + W_ROWS <= n_end ? W_ROWS : 1;
-                        finish(x + m0 * K, &W, n, bias ? bias + n : 0, out + m0 * N + n, row_accs + (n - n_start) * X_ROWS, m, r, N);
-                        n += r;
+                        const int full = n + W_ROWS <= n_end;
+                        (full ? FULL : SINGLE)[m](x + m0 * K, &W, n, row_accs + (n - n_start) * X_ROWS, k0, k1, scratch);
+                        n += full ? W_ROWS : 1;
                     }
                 }
             }
+            for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
+                const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
+                const acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
+                for (int64_t n = n_start; n < n_end;) {
+                    const int r = n + W_ROWS <= n_end ? W_ROWS : 1;
+                    finish(x + m0 * K, &W, n, bias ? bias + n : 0, out + m0 * N + n, row_accs + (n - n_start) * X_ROWS, m, r, N);
+                    n += r;
+                }
+            }
         }
-        free(dequantized);
-        free(accs);
     }
+    free(dequantized);
+    free(accs);
+}
+
+static void run(const elem *x_in, const weights *W, const elem *bias, elem *out, int64_t M, int64_t N, int64_t K, int threads) {
+    const xelem *x = (const xelem *)x_in;
+    float *widened = NULL;
+#if defined(LINEAR_BF16) && !defined(BF16_DOT)
+    /* x widened to fp32 once here, not once per weight row; exact, so no output changes. */
+    widened = malloc(sizeof(float) * M * K);
+    for (int64_t i = 0; i < M * K; i++) widened[i] = to_float(x_in[i]);
+    x = widened;
+#endif
+    job J = {.x = x, .W = W, .bias = bias, .out = out, .M = M, .N = N, .K = K};
+    pool_run(run_part, &J, threads);
     free(widened);
 }
 

@@ -23,10 +23,8 @@
 #include <stdlib.h>
 
 #define BLOCK 32     /* activation values per scale */
-#ifndef W_ROWS
-#define W_ROWS 4     /* weight rows per tile */
-#define X_ROWS 2     /* rows of x per tile: accumulators, weights, their scales and temporaries fill AVX2's 16 registers */
-#endif
+#define W_ROWS 2     /* weight rows per tile: 2 x 3 accumulators, the weights' magnitudes and scales, */
+#define X_ROWS 3     /* and x's values and scale fill AVX2's 16 registers */
 #define BLOCK_M 192  /* rows of x per cache block */
 #define BLOCK_N 64   /* weight rows per cache block, a multiple of W_ROWS */
 #define CHUNK_K 1024 /* values of k per chunk, a multiple of BLOCK */
@@ -94,25 +92,26 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
     __m256 a[W_ROWS][X_ROWS];
     for (int j = 0; j < r; j++)
         for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i];
-    /* The next tile's weights, spread over this tile's blocks: the rows read side by side confuse the
-     * hardware's prefetcher where they are short. */
-    const int8_t *next = W->q + (n + r) * K + b0 * BLOCK;
-    const int64_t ahead = r * (b1 - b0) * BLOCK / (b1 - b0);
+    /* Where a tile reads whole rows (a few rows of x), the next tile's r rows are the next r K bytes:
+     * fetched r x 32 bytes a block, as the hardware's prefetcher misses rows read side by side. */
+    const int whole = b0 == 0 && b1 == KB;
+    const int8_t *next = W->q + (n + r) * K;
     for (int64_t b = b0; b < b1; b++) {
-        for (int64_t p = 0; p < ahead; p += 64) _mm_prefetch((const char *)(next + (b - b0) * ahead + p), _MM_HINT_T1);
-        __m256i wq[W_ROWS], wm[W_ROWS];
+        if (whole) _mm_prefetch((const char *)(next + b * r * BLOCK), _MM_HINT_T1);
+        const int8_t *w = W->q + n * K + b * BLOCK;
+        __m256i wm[W_ROWS];
         __m256 ws[W_ROWS];
         for (int j = 0; j < r; j++) {
-            wq[j] = _mm256_loadu_si256((const __m256i *)(W->q + (n + j) * K + b * BLOCK));
-            wm[j] = _mm256_abs_epi8(wq[j]);
+            wm[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(w + j * K)));
             ws[j] = weight_scale(W, n + j, b);
         }
         for (int i = 0; i < m; i++) {
             const __m256i xq = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + b * BLOCK));
             const __m256 xd = _mm256_broadcast_ss(A->d + (i0 + i) * KB + b);
             for (int j = 0; j < r; j++) {
-                const __m256i pairs = _mm256_maddubs_epi16(wm[j], _mm256_sign_epi8(xq, wq[j]));
-                const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                /* The weight's bytes read again here rather than held: registers go to accumulators. */
+                const __m256i signed_x = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i *)(w + j * K)));
+                const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wm[j], signed_x), ones));
                 a[j][i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(xd, ws[j]), a[j][i]);
             }
         }
@@ -129,58 +128,76 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
         tile(A, i0, W, n, acc, m, 1, b0, b1);                                                                              \
     }
 typedef void (*tile_fn)(const acts *, int64_t, const weights *, int64_t, __m256 *, int64_t, int64_t);
-TILES(1) TILES(2) TILES(3) TILES(4)
-static const tile_fn FULL[] = {0, full_1, full_2, full_3, full_4};
-static const tile_fn SINGLE[] = {0, single_1, single_2, single_3, single_4};
+TILES(1) TILES(2) TILES(3) /* up to X_ROWS */
+static const tile_fn FULL[] = {0, full_1, full_2, full_3};
+static const tile_fn SINGLE[] = {0, single_1, single_2, single_3};
 
-/* x: M x K fp32 (K a multiple of 32), q: N x K int8, scale: N x groups, bias: N or NULL, out: M x N. */
-void linear_quantized(const float *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
-                      const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
-    (void)offset;
-    const weights W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift};
-    const int64_t KB = K / BLOCK;
-    acts A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * KB), .K = K};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, A.q + i * K, A.d + i * KB, K);
+/* One call's work, shared with the pool's parts (`pool.c`). */
+typedef struct {
+    const float *x, *bias;
+    float *out;
+    weights W;
+    acts A;
+    int64_t M, N, K;
+} job;
 
+void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
+
+static void quantize_part(void *ctx, int64_t part, int64_t parts) {
+    job *J = ctx;
+    const int64_t KB = J->K / BLOCK;
+    for (int64_t i = J->M * part / parts; i < J->M * (part + 1) / parts; i++)
+        quantize_row(J->x + i * J->K, J->A.q + i * J->K, J->A.d + i * KB, J->K);
+}
+
+/* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for every row of x. */
+static void multiply_part(void *ctx, int64_t part, int64_t parts) {
+    job *J = ctx;
+    const int64_t M = J->M, N = J->N, KB = J->K / BLOCK;
     /* A few rows are bound by reading the weights: one chunk, the whole of k, reads each weight row once. */
     const int64_t chunk = M <= X_ROWS ? KB : CHUNK_K / BLOCK, blocks = (N + BLOCK_N - 1) / BLOCK_N;
     /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
      * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
     const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
-#pragma omp parallel num_threads(threads)
-    {
-        __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * BLOCK_N * X_ROWS);
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < blocks; nb++) {
-            const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
-            for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
-                const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
-                /* Only the tiles this block of rows uses: a decoding step's one row clears one. */
-                for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * BLOCK_N * X_ROWS; t++) accs[t] = _mm256_setzero_ps();
-                for (int64_t b0 = 0; b0 < KB; b0 += chunk) {
-                    const int64_t b1 = b0 + chunk < KB ? b0 + chunk : KB;
-                    for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                        const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                        __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
-                        for (int64_t n = n_start; n < n_end;) {
-                            const int full = n + W_ROWS <= n_end;
-                            (full ? FULL : SINGLE)[m](&A, m0, &W, n, row_accs + (n - n_start) * X_ROWS, b0, b1);
-                            n += full ? W_ROWS : 1;
-                        }
-                    }
-                }
+    __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * BLOCK_N * X_ROWS);
+    for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
+        const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
+        for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
+            const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
+            for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * BLOCK_N * X_ROWS; t++) accs[t] = _mm256_setzero_ps();
+            for (int64_t b0 = 0; b0 < KB; b0 += chunk) {
+                const int64_t b1 = b0 + chunk < KB ? b0 + chunk : KB;
                 for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
                     const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                    const __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
-                    for (int64_t n = n_start; n < n_end; n++)
-                        for (int i = 0; i < m; i++)
-                            out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * X_ROWS + i]) + (bias ? bias[n] : 0.0f);
+                    __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
+                    for (int64_t n = n_start; n < n_end;) {
+                        const int full = n + W_ROWS <= n_end;
+                        (full ? FULL : SINGLE)[m](&J->A, m0, &J->W, n, row_accs + (n - n_start) * X_ROWS, b0, b1);
+                        n += full ? W_ROWS : 1;
+                    }
                 }
             }
+            for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
+                const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
+                const __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
+                for (int64_t n = n_start; n < n_end; n++)
+                    for (int i = 0; i < m; i++)
+                        J->out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * X_ROWS + i]) + (J->bias ? J->bias[n] : 0.0f);
+            }
         }
-        free(accs);
     }
-    free(A.q);
-    free(A.d);
+    free(accs);
+}
+
+/* x: M x K fp32 (K a multiple of 32), q: N x K int8, scale: N x groups, bias: N or NULL, out: M x N. */
+void linear_quantized(const float *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
+                      const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)offset;
+    job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
+             .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
+             .A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * (K / BLOCK)), .K = K}};
+    pool_run(quantize_part, &J, M < threads ? M : threads);
+    pool_run(multiply_part, &J, threads);
+    free(J.A.q);
+    free(J.A.d);
 }
