@@ -28,6 +28,7 @@
 #define BLOCK_M 192  /* rows of x per cache block */
 #define BLOCK_N 64   /* weight rows per cache block, a multiple of W_ROWS */
 #define CHUNK_K 1024 /* values of k per chunk, a multiple of BLOCK */
+#define FEW_ROWS 64  /* rows of x up to which k is not chunked */
 
 /* A row of x quantized: its int8 values, and per block the scale. */
 typedef struct {
@@ -154,8 +155,10 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
 static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     job *J = ctx;
     const int64_t M = J->M, N = J->N, KB = J->K / BLOCK;
-    /* A few rows are bound by reading the weights: one chunk, the whole of k, reads each weight row once. */
-    const int64_t chunk = M <= X_ROWS ? KB : CHUNK_K / BLOCK, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    /* Decoding and verifying (up to FEW_ROWS rows) are bound by reading the weights: one chunk, the
+     * whole of k, streams each weight row from memory once, prefetched, while every tile of rows
+     * passes it in L1. */
+    const int64_t chunk = M <= FEW_ROWS ? KB : CHUNK_K / BLOCK, blocks = (N + BLOCK_N - 1) / BLOCK_N;
     /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
      * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
     const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
