@@ -1,8 +1,8 @@
 """Milliseconds per pass of a few-row product over several weight matrices, by kernel and weight format.
 
 Decoding and verification multiply 1-17 rows by every weight of the model; this times the kernels
-rag_speculate/cpu/linear.py runs (plain fp32 or bf16 weights, and the int8 and 4-bit formats of
-rag_speculate/quantization) beside what torch and torchao ship for CPUs, on matrices of one layer's
+rag_speculate/cpu/linear.py runs (plain fp32 or bf16 weights, int8 weights with int8 activations,
+and 4-bit weights: rag_speculate/quantization) beside what torch and torchao ship for CPUs, on matrices of one layer's
 shape (by default six of the 1.5B Qwen's MLP, 330 MB in fp32, more than the caches hold), rows
 interleaved so machine noise hits every kernel alike. Prints a markdown table and the CPU.
 
@@ -43,9 +43,10 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, in
         found[f"ours {method}"] = lambda x, i, q=quantized, lib=quantized_library: run_quantized(
             lib, x, q[i].values, q[i].scale, q[i].offset, q[i].group_shift, q[i].shape[0], None
         )
-    # torch's int8 weight-only product for CPUs (what torchao's int8 weight-only layers call there).
-    int8 = [quantize(w, "int8") for w in weights]
-    found["torch _weight_int8pack_mm"] = lambda x, i: torch.ops.aten._weight_int8pack_mm(x, int8[i].values, int8[i].scale[:, 0].to(x.dtype))
+    # torch's int8 weight-only product for CPUs (what torchao's int8 weight-only layers call there): a scale per row.
+    scales = [w.float().abs().amax(dim=1) / 127 for w in weights]
+    int8 = [torch.round(w.float() / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
+    found["torch _weight_int8pack_mm"] = lambda x, i: torch.ops.aten._weight_int8pack_mm(x, int8[i], scales[i].to(x.dtype))
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
