@@ -175,8 +175,8 @@ class SpeculativeEngine:
         `prompt_cache_dir`, `prompt_cache_disk_bytes`, `max_batch`, `kv_cache_bytes`, `prefill_chunk`).
 
         `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
-        on CPUs that compute in it, else fp32 (`devices.default_dtype`). `quantization`: "int8" or
-        "int4" (weight-only, activations in `dtype`), or "gguf" to keep a GGUF file's own quantized
+        on CPUs that compute in it, else fp32 (`devices.default_dtype`). `quantization`: "int8" (int8
+        weights and activations, as llama.cpp's Q8_0) or "int4" (activations in `dtype`), or "gguf" to keep a GGUF file's own quantized
         tensors; on the CPU (`rag_speculate.quantization`). The answers are then exactly the
         quantized model's own.
         """
