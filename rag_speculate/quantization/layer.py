@@ -13,6 +13,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..cpu.linear import linear_library, run_quantized
 from ..errors import InvalidArgumentError
 from ..fingerprint import changed_weights
 from .formats import GROUP, QuantizedWeight, dequantize, fits, quantize, quantize_activations
@@ -45,10 +46,12 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = _library(x, self.format)
         if library is not None:
-            from ..cpu.linear import run_quantized
-
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            return run_quantized(library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias)
+            # Plain tensors handed to C by pointer: the torch function mode the engine's forwards
+            # run in (`cpu.kernels.FastKernels`) has nothing to reroute here, and a decoding step
+            # makes ~200 of these calls, each of a dozen tensor operations.
+            with torch._C.DisableTorchFunction():
+                bias = None if self.bias is None else self.bias.to(x.dtype)
+                return run_quantized(library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias)
         weight = dequantize(self.weight).to(x.device)
         bias = None if self.bias is None else self.bias.to(x.device, torch.float32)
         inputs = quantize_activations(x) if self.format == "q8" else x.to(torch.float32)
@@ -60,18 +63,19 @@ class QuantizedLinear(torch.nn.Module):
 
 def _library(x: torch.Tensor, fmt: str):
     """The CPU kernel for x's dtype and the weights' format, or None for torch's product."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    if x.device.type != "cpu":
         return None
-    from ..cpu.linear import linear_library
+    key = (x.dtype, fmt)
+    if key not in _libraries:
+        library, reason = linear_library(x.dtype, fmt) if x.dtype in (torch.float32, torch.bfloat16) else (None, f"no kernel for {x.dtype}")
+        if library is None:
+            logger.warning("quantized layers run through torch, slowly: %s", reason)
+        _libraries[key] = library
+    return _libraries[key]
 
-    library, reason = linear_library(x.dtype, fmt)
-    if library is None and fmt not in _warned:
-        _warned.add(fmt)
-        logger.warning("quantized layers run through torch, slowly: %s", reason)
-    return library
 
-
-_warned: set[str] = set()
+# Looked up once per activation dtype and format: a decoding step asks ~200 times.
+_libraries: dict[tuple[torch.dtype, str], object] = {}
 
 
 def already_quantized(model: torch.nn.Module) -> str:
