@@ -20,10 +20,7 @@ CPU kernels do; torch's do not: docs/design.md, "Losslessness").
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +28,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from .forward import TreeForward, shared_kv_heads
-from .kv_cache import cache_keyword, kv_shape, make_cache, sliding_window
+from .forward import ModelForward, TreeForward, shared_kv_heads
+from .kv_cache import kv_shape, make_cache, sliding_window
 from .tree import ROOT, DraftTree
 
 
@@ -207,16 +204,8 @@ class _Entries:
     values: torch.Tensor
 
 
-class BatchForward:
+class BatchForward(ModelForward):
     """One forward of a model over several rows of a BatchCache, returning each row's logits."""
-
-    def __init__(self, model: PreTrainedModel, *, context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
-        self.model = model
-        self.context = context
-        self.device = model.device
-        self.mask_dtype = next(model.parameters()).dtype
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_keyword = cache_keyword(model)
 
     @torch.inference_mode()
     def __call__(self, cache: BatchCache, inputs: Sequence[Fed], last_only: bool = False) -> list[torch.Tensor]:

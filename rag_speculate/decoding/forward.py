@@ -43,7 +43,22 @@ def shared_kv_heads(device: torch.device):
         os.environ.pop(_FORCE_GQA, None)
 
 
-class TreeForward:
+class ModelForward:
+    """What every forward of one model needs, read once: its device, its masks' dtype, whether it
+    can return the last rows' logits alone, and its KV cache's keyword. `context`: what every
+    forward runs inside (the CPU kernels' mode, where the engine uses them: it hands the context
+    in, so nothing here loads the kernel layer)."""
+
+    def __init__(self, model: PreTrainedModel, *, context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+        self.model = model
+        self.context = context
+        self.device = model.device
+        self.mask_dtype = next(model.parameters()).dtype
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
+
+
+class TreeForward(ModelForward):
     """Prefill and draft-tree forwards of one model on its KV cache, returning logits."""
 
     def __init__(
@@ -53,17 +68,10 @@ class TreeForward:
         context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         forward: Callable[..., torch.Tensor] | None = None,
     ):
-        """`context`: what every forward runs inside (the CPU kernels' mode, where the engine uses
-        them: it hands the context in, so nothing here loads the kernel layer). `forward` runs in
-        place of the model's own (given the same arguments, the KV cache as `cache`, it returns the
-        logits): a draft model's lean forward. The target always runs its own."""
-        self.model = model
-        self.context = context
+        """`forward` runs in place of the model's own (given the same arguments, the KV cache as
+        `cache`, it returns the logits): a draft model's lean forward. The target always runs its own."""
+        super().__init__(model, context=context)
         self._forward = forward
-        self.device = model.device
-        self.mask_dtype = next(model.parameters()).dtype
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_keyword = cache_keyword(model)
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
