@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 from pathlib import Path
 
 import torch
 
 from .build import BASE_FLAGS, compile_kernel
-from .linear import ISA_FLAGS
+from .linear import ISA_FLAGS, unsupported
 
 _SOURCE = Path(__file__).with_name("attention.c")
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -32,10 +31,9 @@ def attention_library(dtype: torch.dtype = torch.bfloat16) -> tuple[ctypes.CDLL 
 
 def build_attention(dtype: torch.dtype, isa: str) -> tuple[ctypes.CDLL | None, str]:
     """The kernel for `dtype` and the instruction set `isa` ("AVX512" or "AVX2"); or None and why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the attention kernel is written for x86-64, this CPU is {platform.machine()}"
-    if isa not in ISA_FLAGS:
-        return None, f"the attention kernel needs AVX2 and FMA; torch reports {isa}"
+    reason = unsupported(isa, "the attention kernel")
+    if reason:
+        return None, reason
     if dtype not in _DTYPES:
         return None, f"the attention kernel is for fp32 and bf16, not {dtype}"
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa], *(["-DATTENTION_BF16"] if dtype == torch.bfloat16 else [])]

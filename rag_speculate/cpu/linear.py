@@ -101,17 +101,26 @@ def linear_library(dtype: torch.dtype = torch.float32, weights: str = "") -> tup
     return build_linear(_SOURCE, dtype, capability, weights)
 
 
+def unsupported(isa: str, what: str) -> str:
+    """Why `what` (a kernel here, all written for x86-64 with AVX2 and FMA) cannot be built on this
+    CPU, whose instruction set torch reports as `isa`; "" when it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{what} is written for x86-64, this CPU is {platform.machine()}"
+    if isa not in ISA_FLAGS:
+        return f"{what} needs AVX2 and FMA; torch reports {isa}"
+    return ""
+
+
 def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str = "") -> tuple[ctypes.CDLL | None, str]:
     """`source_path` (the kernel, or another version of it that a benchmark compares) compiled for
     `dtype`, the instruction set `isa` ("AVX512" or "AVX2") and the weight format `weights` into the
     cache unless already there, and loaded; or None and why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the linear kernel is written for x86-64, this CPU is {platform.machine()}"
-    if isa not in ISA_FLAGS:
-        return None, f"the linear kernel needs AVX2 and FMA; torch reports {isa}"
+    reason = unsupported(isa, "the linear kernel")
+    if reason:
+        return None, reason
     if dtype not in _KERNEL_DTYPES:
         return None, f"the linear kernel is for fp32 and bf16, not {dtype}"
-    if weights not in WEIGHT_FORMATS or weights == "q8":
+    if weights not in ("", "q4"):
         raise ValueError(f"unknown weight format {weights!r} for {source_path.name}: one of '', 'q4' (q8: build_linear_q8)")
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
     if dtype == torch.bfloat16:
@@ -136,10 +145,9 @@ def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str =
 def build_linear_q8(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, str]:
     """`source_path` (`linear_q8.c`, or a version a benchmark compares) compiled for AVX2 (which
     every CPU the kernels serve has) into the cache unless already there, and loaded; or None and why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the int8 kernel is written for x86-64, this CPU is {platform.machine()}"
-    if isa not in ISA_FLAGS:
-        return None, f"the int8 kernel needs AVX2 and FMA; torch reports {isa}"
+    reason = unsupported(isa, "the int8 kernel")
+    if reason:
+        return None, reason
     lib, reason = compile_kernel(source_path, [*BASE_FLAGS, *ISA_FLAGS["AVX2"]], "linear-q8-avx2", "the int8 kernel")
     if lib is not None:
         _declare_quantized(lib)

@@ -30,11 +30,10 @@
 #define CHUNK_K 1024 /* values of k per chunk, a multiple of BLOCK */
 #define FEW_ROWS 64  /* rows of x up to which k is not chunked */
 
-/* A row of x quantized: its int8 values, and per block the scale. */
+/* Rows of x quantized: their int8 values, and per block of each row the scale. */
 typedef struct {
     int8_t *q;
     float *d;
-    int64_t K;
 } acts;
 
 typedef struct {
@@ -198,7 +197,7 @@ void linear_quantized(const float *x, const int8_t *q, const float *scale, const
     (void)offset;
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
-             .A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * (K / BLOCK)), .K = K}};
+             .A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * (K / BLOCK))}};
     pool_run(quantize_part, &J, M < threads ? M : threads);
     pool_run(multiply_part, &J, threads);
     free(J.A.q);
