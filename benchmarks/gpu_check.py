@@ -54,6 +54,7 @@ from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.kv_cache import keep_cache_entries, make_cache
 from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.models.gguf_file import dense_gguf
 
 # The dev items shipped with the benchmarks (benchmarks/data/README.md).
 DEFAULT_DATA = REPO / "benchmarks" / "data" / "spec_bench_dev.jsonl"
@@ -103,7 +104,9 @@ def run_tests(device: torch.device, quick: bool, out: Path) -> dict:
     if importlib.util.find_spec("pytest") is None:
         return {"status": "skipped", "note": "pytest is not installed here (pip install pytest, or copy a wheel)"}
     selection = QUICK_TESTS if quick else TEST_FILES
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    # Tiny models are launch-bound on a GPU: worker processes (pytest-xdist, where installed) share it.
+    workers = ["-n", str(min(8, os.cpu_count() or 1))] if device.type == "cuda" and importlib.util.find_spec("xdist") else []
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *selection]
     # tests/conftest.py builds its tiny models on this device; the CPU kernels' tests skip elsewhere.
     env = os.environ | {"RAG_SPECULATE_TEST_DEVICE": str(device), "HF_HUB_OFFLINE": "1"}
     log(f"tests: {shlex.join(command[1:])} on {device}")
@@ -343,8 +346,10 @@ def load_items(engine: SpeculativeEngine, path: Path, categories: tuple[str, ...
 def load_smollm(path: Path | None, device: torch.device, dtype: torch.dtype) -> tuple[PreTrainedModel, Any, str] | str:
     """(model, tokenizer, where from), or why none could be loaded."""
     if path is not None:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+        # A GGUF file is the packaged one copied to a machine without the package (the gguf package reads it).
+        folder, extra = (path.parent, dense_gguf(path.name)) if path.suffix == ".gguf" else (path, {})
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=extra.get("gguf_file"), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, **extra, dtype=dtype, local_files_only=True).to(device).eval()
         return model, tokenizer, str(path)
     try:
         from rag_speculate.models.packaged import load_packaged_model
@@ -512,10 +517,7 @@ def device_name(device: torch.device) -> str:
 
 
 def section_tests(check: Check) -> None:
-    if check.args.skip_tests:
-        check.results["tests"] = {"status": "skipped", "note": "--skip-tests"}
-    else:
-        check.results["tests"] = run_tests(check.device, check.args.quick, check.args.out)
+    check.results["tests"] = run_tests(check.device, check.args.quick, check.args.out)
     check.write("tests.md", tests_markdown(check.results["tests"]))
 
 
@@ -558,6 +560,13 @@ def section_real_weights(check: Check) -> None:
         check.results.setdefault("step_overhead", {})["SmolLM2-135M, trie, dev items"] = trie_steps.as_dict()
         check.write("step_overhead.md", step_overhead_markdown(check.results["step_overhead"]))
     check.write("real_weights.md", real_weights_markdown(section))
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Check], None]]] = {
+    "tests": ("tests", section_tests),
+    "forward": ("forward cost / step overhead", section_forward_and_steps),
+    "real": ("real weights", section_real_weights),
+}
 
 
 def summary(check: Check) -> list[str]:
@@ -604,8 +613,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--quick", action="store_true", help="tiny models, the fast tests, 1 item per category, 16 new tokens")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--smollm", type=Path, default=None, help="a SmolLM2-135M-Instruct folder (config.json, tokenizer, safetensors)")
+    parser.add_argument("--sections", nargs="+", choices=sorted(SECTIONS), default=list(SECTIONS),
+                        help="which to run (default all): tests, forward (sections 2 and 3), real (section 4)")
+    parser.add_argument("--smollm", type=Path, default=None,
+                        help="a SmolLM2-135M-Instruct folder (config.json, tokenizer, safetensors) or its GGUF file")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--n", type=int, default=4, help="dev items per category (rag, summarization, qa)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -624,9 +635,9 @@ def main() -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
-    check.guarded("tests", lambda: section_tests(check))
-    check.guarded("forward cost / step overhead", lambda: section_forward_and_steps(check))
-    check.guarded("real weights", lambda: section_real_weights(check))
+    for name in [name for name in SECTIONS if name in args.sections]:
+        title, run = SECTIONS[name]
+        check.guarded(title, lambda: run(check))
     lines = summary(check)
     check.results["summary"] = lines
     (args.out / "gpu_check.json").write_text(json.dumps(check.results, indent=1, default=str))

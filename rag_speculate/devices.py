@@ -42,6 +42,18 @@ def resolve_device(device: Device) -> torch.device:
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one: torch.device("cuda") and a model's "cuda:0" are unequal as
+    objects but the same GPU where the current one is GPU 0."""
+
+    def index(device: torch.device) -> int | None:
+        if device.type == "cuda" and device.index is None:
+            return torch.cuda.current_device()
+        return device.index
+
+    return a.type == b.type and index(a) == index(b)
+
+
 def device_from_map(device_map: str | dict | None, device: Device = None) -> Device:
     """The one device a `device_map` names (None or a placement strategy such as "auto": `device`,
     else the default device; "cpu", "cuda:0"...); the engine runs a model on one device, so a map

@@ -60,7 +60,7 @@ class TopKTreeDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
-        first = self.model(torch.tensor([list(tokens)])).logits[0, -1].topk(self.k).indices.tolist()
+        first = self.model(torch.tensor([list(tokens)], device=self.model.device)).logits[0, -1].topk(self.k).indices.tolist()
         out, parents = [], []
         for t in first:
             seq, parent = [*tokens, t], -1
@@ -68,7 +68,7 @@ class TopKTreeDrafter(Drafter):
             parents.append(parent)
             parent = len(out) - 1
             for _ in range(self.depth - 1):
-                nxt = int(self.model(torch.tensor([seq])).logits[0, -1].argmax())
+                nxt = int(self.model(torch.tensor([seq], device=self.model.device)).logits[0, -1].argmax())
                 out.append(nxt)
                 parents.append(parent)
                 parent = len(out) - 1

@@ -42,7 +42,7 @@ from ..files import (
     write_new_file,
 )
 from ..fingerprint import known_weights
-from .gguf_file import Progress, gguf_path, logger, report
+from .gguf_file import Progress, dense_gguf, gguf_path, logger, report
 from .registry import PackagedModel, resolve
 
 # Bump when the converted-cache layout changes so old caches get rebuilt.
@@ -223,7 +223,7 @@ def _convert(
         "(once: every tensor is dequantized, which is slow for the larger models)",
     )
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
+        path.parent, **dense_gguf(path.name), dtype=dtype, local_files_only=True
     )
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     report(progress, f"writing model cache {folder}")

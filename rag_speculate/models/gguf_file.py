@@ -15,6 +15,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import transformers
+
 from ..errors import ModelPackageError
 from ..files import cache_dir, fsync_dir, recover, sha256_once, sibling
 from .registry import PackagedModel, resolve
@@ -51,6 +53,16 @@ def gguf_path(name: str | PackagedModel, *, progress: Progress | None = None) ->
     if actual != spec.sha256:
         raise _checksum_error(spec, actual)
     return target
+
+
+def dense_gguf(gguf_file: str) -> dict:
+    """`from_pretrained`'s keywords that read a GGUF file into a plain dense model. transformers
+    (5.2x) otherwise keeps the quantized blocks packed where its `kernels` package serves them,
+    which changes every matmul; the engine quantizes on its own terms (`quantization="gguf"`)."""
+    kwargs: dict = {"gguf_file": gguf_file}
+    if hasattr(transformers, "GgufConfig"):  # older transformers always dequantize
+        kwargs["quantization_config"] = transformers.GgufConfig(gguf_file=gguf_file, dequantize=True)
+    return kwargs
 
 
 def report(progress: Progress | None, message: str) -> None:

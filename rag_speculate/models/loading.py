@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from ..devices import Device, default_dtype, resolve_device
 from ..errors import InvalidArgumentError
 from . import packaged
+from .gguf_file import dense_gguf
 
 
 def load_model(
@@ -35,6 +36,8 @@ def load_model(
         if progress:
             progress(f"loading {name_or_path}")
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        if "gguf_file" in extra:
+            extra = dense_gguf(extra["gguf_file"])
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
     if quantization:
         from ..quantization.gguf import gguf_layers

@@ -25,7 +25,7 @@ def exact_distribution(model, ids, params: SamplingParams, length: int) -> dict[
     """Probability of every possible `length`-token continuation under the warped target."""
     if length == 0:
         return {(): 1.0}
-    probs = warp_logits(model(torch.tensor([ids])).logits[0, -1], params).softmax(-1)
+    probs = warp_logits(model(torch.tensor([ids], device=model.device)).logits[0, -1], params).softmax(-1)
     out = {}
     for token in torch.nonzero(probs).flatten().tolist():
         for rest, p in exact_distribution(model, [*ids, token], params, length - 1).items():

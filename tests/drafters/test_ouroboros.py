@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import CHARS, DEVICE, VOCAB, char_tokenizer, hf_greedy, tiny_model
+from conftest import CHARS, DEVICE, VOCAB, char_tokenizer, hf_greedy, on_cpu_only, tiny_model
 from transformers import LlamaForCausalLM
 
 from rag_speculate import (
@@ -128,6 +128,7 @@ def test_a_draft_model_equal_to_the_target_gets_long_drafts_accepted(tokenizer):
     assert result.stats.accepted_tokens["draft_model"] > 24
 
 
+@on_cpu_only  # int8 drafting is for CPU draft models
 def test_an_int8_draft_model_keeps_the_output_identical(tokenizer):
     target = tiny_model("qwen2", seed=0)
     draft = int8_draft_model(tiny_model("qwen2", seed=0))
@@ -147,7 +148,7 @@ class IgnoresCustomMasks(LlamaForCausalLM):
         return super().forward(*args, attention_mask=None, **kwargs)
 
 
-@pytest.mark.parametrize(("kind", "fed"), [("int8", 1 + 6), ("ignores masks", 1 + 3)])
+@pytest.mark.parametrize(("kind", "fed"), [pytest.param("int8", 1 + 6, marks=on_cpu_only), ("ignores masks", 1 + 3)])
 def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_mask(kind, fed, tokenizer):
     base = tiny_model("llama", seed=3)
     if kind == "int8":
@@ -156,7 +157,7 @@ def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_ma
         draft = int8_draft_model(base)
         assert not TreeForward(draft).supports_tree_attention()[0]
     else:
-        draft = IgnoresCustomMasks(base.config).eval()
+        draft = IgnoresCustomMasks(base.config).to(DEVICE).eval()
         draft.load_state_dict(base.state_dict())
     # Its own forward (the lean one honours masks whatever the model's forward does).
     drafter = make_drafter(
@@ -187,7 +188,7 @@ def test_the_lookahead_window_puts_the_draft_models_own_ngrams_in_the_pool(token
     tokens, _, _ = drafter._draft_step([], ids[-1])
 
     def greedy_next(sequence: list[int]) -> int:
-        return int(draft(torch.tensor([sequence])).logits[0, -1].argmax())
+        return int(draft(torch.tensor([sequence], device=draft.device)).logits[0, -1].argmax())
 
     # Column i continues level 0 up to i, then its own guess below: its output is the draft model's
     # greedy token there, and the column with its output is a 3-gram of the draft model's text.
@@ -362,7 +363,7 @@ def test_the_draft_models_next_best_tokens_hang_beside_the_chain(tokenizer):
     assert [tree.tokens[i] for i in chain] == hf_greedy(draft, ids, 4)
     assert all(a >= b for a, b in zip(tree.scores, tree.scores[1:]))
     with torch.inference_mode():
-        logits = draft(torch.tensor([ids + [tree.tokens[i] for i in chain]])).logits[0, len(ids) - 1 :]
+        logits = draft(torch.tensor([ids + [tree.tokens[i] for i in chain]], device=draft.device)).logits[0, len(ids) - 1 :]
     beside = {}
     for i, source in enumerate(tree.sources):
         if source == "draft_alternative":

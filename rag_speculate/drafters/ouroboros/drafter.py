@@ -57,6 +57,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ...decoding.budget import CostModel, best_prefix
 from ...decoding.tree import ROOT, DraftTree
 from ...decoding.verify import Verification
+from ...devices import same_device
 from ...errors import InvalidArgumentError
 from ...fingerprint import tokenizer_fingerprint
 from ..agreement import DecayingRate, agreement_trials
@@ -142,7 +143,7 @@ class OuroborosDrafter(Drafter):
                 "the phrase pool was saved with another tokenizer, so its token ids mean other text; "
                 "pass a new PhrasePool or one saved with the target's tokenizer"
             )
-        if self.draft.device != device:
+        if not same_device(self.draft.device, device):
             raise InvalidArgumentError(
                 f"the draft model is on {self.draft.device} but the target on {device}: its drafts are fed to the "
                 f"target's forward, so load it there (draft_model.to({str(device)!r}); an int8 draft model runs on the CPU only)"
