@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICE, tiny_model
 
 from rag_speculate import InvalidArgumentError, OuroborosDrafter, SpeculativeEngine
-from rag_speculate.devices import default_dtype, device_from_map, resolve_device
+from rag_speculate.devices import default_dtype, device_from_map, resolve_device, same_device
 from rag_speculate.drafters.ouroboros import OuroborosConfig
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
@@ -58,3 +58,12 @@ def test_a_draft_model_on_another_device_than_the_target_is_refused(tokenizer):
     drafter = OuroborosDrafter(draft, tokenizer, OuroborosConfig(lean=False))
     with pytest.raises(InvalidArgumentError, match=f"the draft model is on meta but the target on {DEVICE}"):
         SpeculativeEngine(target, tokenizer, drafter)
+
+
+def test_one_device_named_two_ways_is_the_same():
+    assert same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not same_device(torch.device("cpu"), torch.device("meta"))
+    if torch.cuda.is_available():
+        # What a user names and what a model on it reports.
+        assert same_device(torch.device("cuda"), torch.device("cuda", torch.cuda.current_device()))
+        assert not same_device(torch.device("cuda"), torch.device("cpu"))
