@@ -57,9 +57,18 @@ class TopKTreeDrafter(Drafter):
 
     def __init__(self, model, k: int = 3, depth: int = 2):
         self.model, self.k, self.depth = model, k, depth
+        # A proposal depends on the tokens alone; the sampling tests draw thousands from a few contexts.
+        self._trees: dict[tuple[int, ...], DraftTree] = {}
+
+    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+        key = tuple(tokens)
+        if key not in self._trees:
+            self._trees[key] = self._tree(tokens)
+        tree = self._trees[key]
+        return DraftTree(tree.tokens[:budget], tree.parents[:budget])
 
     @torch.inference_mode()
-    def propose(self, tokens: Sequence[int], budget: int) -> DraftTree:
+    def _tree(self, tokens: Sequence[int]) -> DraftTree:
         first = self.model(torch.tensor([list(tokens)], device=self.model.device)).logits[0, -1].topk(self.k).indices.tolist()
         out, parents = [], []
         for t in first:
@@ -73,4 +82,4 @@ class TopKTreeDrafter(Drafter):
                 parents.append(parent)
                 parent = len(out) - 1
                 seq.append(nxt)
-        return DraftTree(out[:budget], parents[:budget])
+        return DraftTree(out, parents)
