@@ -211,8 +211,8 @@ def run_demo(args: argparse.Namespace) -> int:
     # token for token (docs/design.md, "Losslessness"), and the speed-up is speculation's alone.
     kernels = " through the same kernels" if engine.fast_kernels else ""
     _progress(f"answering with plain greedy decoding (model.generate{kernels})")
-    with FastKernels() if engine.fast_kernels else contextlib.nullcontext():
-        plain = timed_generate(engine.model, prepared.request.prompt_ids, args.max_new_tokens)
+    plain = timed_generate(engine.model, prepared.request.prompt_ids, args.max_new_tokens,
+                           context=FastKernels if engine.fast_kernels else contextlib.nullcontext)
 
     print(f"Question: {question}\n")
     print(f"Answer (speculative):\n{result.text}\n")
