@@ -52,9 +52,10 @@ def timed_generate(
     """Greedy `model.generate` (plus `kwargs`: prompt lookup, an assistant model), with its timings,
     inside `context()` (the engine's CPU kernels, say).
 
-    It runs on a thread of its own, as the engine runs its forwards (`engine/thread.py`): called
-    from a process's main thread, whose OpenMP team torch made at start, the CPU kernels' forwards
-    ran at half the speed they run at on any other thread, which would flatter every speed-up."""
+    It runs on a thread of its own, as the engine runs its forwards (`engine/thread.py`): from a
+    process's main thread the CPU kernels' forwards ran at half the speed they run at on a thread of
+    their own (torch's OpenMP team and the kernels' pool contend there: with OMP_WAIT_POLICY=PASSIVE
+    the gap closed), which would flatter every speed-up."""
     with ThreadPoolExecutor(max_workers=1) as thread:
         return thread.submit(_timed_generate, model, prompt_ids, max_new_tokens, context, kwargs).result()
 
