@@ -94,9 +94,11 @@ def test_max_new_tokens_is_exact(max_new_tokens, tokenizer):
     assert result.finish_reason == "length"
 
 
-def test_sliding_window_beyond_window_falls_back_to_chains_losslessly(tokenizer):
+def test_sliding_window_beyond_window_falls_back_to_chains_losslessly(tokenizer, tmp_path, monkeypatch):
     # A window shorter than the generation: tree masks would have to encode the window too, so
-    # the engine verifies chains with the model's own (sliding) masks instead.
+    # the engine verifies chains with the model's own (sliding) masks instead. An empty cache: the
+    # cost curve is timed here, and its probe forwards must respect the window as well.
+    monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
     model = tiny_model("gemma3", seed=3, sliding_window=8)
     ids = tokenizer.encode(PROMPTS[0])
     reference = hf_greedy(model, ids, 40)
