@@ -128,6 +128,14 @@ class SpeculativeEngine:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        interacting = _rows_interact(model)
+        if interacting:
+            warnings.warn(
+                f"{interacting}, so a verification or batched forward can round a row otherwise than generate's "
+                "one-token step: outputs can leave generate's. Load it with llm_int8_threshold=0.0 for exact ones",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes, folder=prompt_cache_dir,
                                                   disk_bytes=prompt_cache_disk_bytes, kernels=self.fast_kernels)  # fmt: skip
         self.prompt_cache.warm_with(self._warm)
@@ -275,6 +283,16 @@ class SpeculativeEngine:
                 except OSError as error:  # a read-only cache costs a timing per engine, nothing more
                     logger.info("cannot save the cost curve at %s: %s", path, error)
         return self.cost_model
+
+
+def _rows_interact(model: PreTrainedModel) -> str:
+    """Why a row of `model`'s forward depends on the rows beside it ("" where none is known)."""
+    config = getattr(model.config, "quantization_config", None)
+    read = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if config is not None and read("load_in_8bit", False) and (read("llm_int8_threshold", 6.0) or 0.0) > 0:
+        return (f"bitsandbytes' LLM.int8 (llm_int8_threshold={read('llm_int8_threshold', 6.0)}) keeps a column in "
+                "16 bits when any row of the forward exceeds the threshold there")  # fmt: skip
+    return ""
 
 
 def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:

@@ -1,7 +1,7 @@
 """Quantized targets: a model whose linear layers are quantized (int8, int4) answers through the
 engine exactly as its own `generate` does (greedy, fp32), alone and batched, through both forward
 paths; in bf16 speculation gives the quantized model's own plain decoding; a model quantized
-through transformers' `quantization_config` (torchao) works unchanged; bad requests are named."""
+through transformers' `quantization_config` (torchao, bitsandbytes) works unchanged; bad requests are named."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import hf_greedy, tiny_model
+from conftest import DEVICE, hf_greedy, tiny_model
 from packaged_fixtures import DOCUMENT, MODEL, installed
 
 from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine
@@ -51,24 +51,55 @@ def test_in_bf16_speculation_is_the_quantized_models_plain_decoding(method, toke
     assert engine.generate(ids, documents=[tokenizer.decode(plain)], max_new_tokens=24).token_ids == plain
 
 
-def test_a_model_quantized_through_transformers_torchao_works_unchanged(tokenizer, tmp_path):
-    pytest.importorskip("torchao")
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import AutoModelForCausalLM, TorchAoConfig
+def transformers_quantization(kind: str):
+    """The `quantization_config` users pass to `from_pretrained` (the dev extra installs both packages;
+    a GPU machine may lack one, and then the test skips)."""
+    from transformers import BitsAndBytesConfig, TorchAoConfig
 
+    if kind == "torchao-int8":
+        pytest.importorskip("torchao")
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    pytest.importorskip("bitsandbytes")
+    if kind == "bitsandbytes-8bit":
+        # No outlier columns: with them a row's result depends on its neighbours (the test below).
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["torchao-int8", "bitsandbytes-8bit", "bitsandbytes-4bit"])
+def test_a_model_quantized_through_transformers_works_unchanged(kind, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = transformers_quantization(kind)
     tiny_model("llama").save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
-                                                 dtype=torch.float32).eval()  # fmt: skip
-    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ != "Parameter"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.float32,
+                                                 device_map=DEVICE).eval()  # fmt: skip
+    assert type(model.model.layers[0].mlp.up_proj.weight) is not torch.nn.Parameter
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert not engine.fast_kernels  # torchao's tensors run their own kernels
+    assert not engine.fast_kernels  # their tensors run their own kernels
     ids = [tokenizer.encode(p) for p in PROMPTS]
     references = [hf_greedy(model, i, 24) for i in ids]
-    assert engine.generate(ids[0], documents=[tokenizer.decode(references[0])], max_new_tokens=24).token_ids == references[0]
+    alone = engine.generate(ids[0], documents=[tokenizer.decode(references[0])], max_new_tokens=24)
+    assert alone.token_ids == references[0] and alone.stats.target_forwards < 24
     assert [r.token_ids for r in engine.generate_batch(ids, max_new_tokens=24)] == references
     with pytest.raises(InvalidArgumentError, match="quantized through transformers") as raised:
         quantize_model(model, "int8")
     assert raised.value.argument == "quantization"
+
+
+def test_llm_int8_outlier_columns_are_named_as_rows_that_interact(tokenizer, tmp_path):
+    """bitsandbytes' default LLM.int8 picks its 16-bit outlier columns over all the rows of a forward
+    (on a GPU a batched answer left generate's); the engine says so when it is built."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                                                 dtype=torch.float32, device_map=DEVICE)  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"LLM.int8 \(llm_int8_threshold=6.0\).*llm_int8_threshold=0.0"):
+        SpeculativeEngine(model, tokenizer)
 
 
 def test_layers_that_do_not_fit_stay_as_they_are(tokenizer):
