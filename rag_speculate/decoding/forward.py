@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .kv_cache import cache_keyword, keep_cache_entries, make_cache, sliding_window
+from .kv_cache import cache_keyword, keep_cache_entries, make_cache, window_holds
 from .tree import ROOT, DraftTree, tree_attention_mask, tree_position_ids
 
 # transformers' own switch: SDPA reads grouped key/value heads even where a mask is given.
@@ -120,14 +120,11 @@ class TreeForward(ModelForward):
         vocab = self.model.get_input_embeddings().num_embeddings
         cache = make_cache(self.model)
         self.prefill(cache, [(7 * i + 3) % vocab for i in range(context)])
-        window = sliding_window(cache)
 
         @torch.inference_mode()
         def run(q: int) -> None:
-            # As the engine verifies: chains where a sliding window would outgrow its past (a tree
-            # mask cannot say what the window forgot).
-            tree = tree_mode and q > 1 and (window is None or context + q < window)
-            forward = self.tree if tree else self.chain
+            # As the engine verifies: chains where a sliding window would outgrow its past.
+            forward = self.tree if tree_mode and q > 1 and window_holds(cache, context + q) else self.chain
             forward(cache, 1, DraftTree.chain([1] * (q - 1)))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -47,6 +47,13 @@ def sliding_window(cache: DynamicCache) -> int | None:
     return min(windows) if windows else None
 
 
+def window_holds(cache: DynamicCache, length: int) -> bool:
+    """Whether `length` tokens fit in every sliding window of `cache` (always, without one). Only then
+    can a forward verify a draft tree: its mask cannot say what a window forgot."""
+    window = sliding_window(cache)
+    return window is None or length < window
+
+
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword under which `model`'s forward takes its KV cache: `cache` in recent transformers
     releases, which deprecate `past_key_values`; `past_key_values` in earlier ones and in models

@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..decoding.batch import BatchCache, BatchForward, Fed
 from ..decoding.forward import TreeForward
-from ..decoding.kv_cache import keep_cache_entries, make_cache, sliding_window
+from ..decoding.kv_cache import keep_cache_entries, make_cache, window_holds
 from ..decoding.prompt_cache import PromptCache, Reused
 from ..decoding.tree import ROOT, DraftTree
 
@@ -77,8 +77,7 @@ class SequentialRunner:
     def add(self, key: int, prompt: Sequence[int], longest: int) -> Reused:
         cache = self.caches[key] = make_cache(self.model)
         # Tree verification, unless the model cannot, or a sliding window would outgrow its past.
-        window = sliding_window(cache)
-        self._tree[key] = self.tree_attention and (window is None or longest < window)
+        self._tree[key] = self.tree_attention and window_holds(cache, longest)
         return self.prompt_cache.fetch(self.model, prompt, cache)
 
     def prefill(self, key: int, tokens: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...decoding.budget import CostModel
 from ...decoding.forward import TreeForward
-from ...decoding.kv_cache import keep_cache_entries, make_cache, sliding_window
+from ...decoding.kv_cache import keep_cache_entries, make_cache, window_holds
 from ...decoding.output import eos_token_ids
 from ...decoding.prompt_cache import PromptCache
 from ...decoding.sampling import SamplingParams
@@ -145,8 +145,7 @@ class DraftModel:
     def fits_tree(self, extra: int) -> bool:
         """Whether a tree forward over `extra` more tokens can run (a sliding window would forget
         entries before the walk decides which survive)."""
-        window = sliding_window(self.cache)
-        return self.tree_attention and (window is None or len(self.cached) + extra < window)
+        return self.tree_attention and window_holds(self.cache, len(self.cached) + extra)
 
     @torch.inference_mode()
     def step(self, pending: list[int], root: int, tree: DraftTree, tree_mode: bool, alternatives: int) -> DraftStep:
