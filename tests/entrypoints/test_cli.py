@@ -102,7 +102,7 @@ def test_index_never_replaces_a_folder_it_did_not_write(corpus, tmp_path, capsys
 
 
 def test_demo_indexes_the_shipped_corpus_and_answers_identically(tmp_path, capsys):
-    # Both cores: embedding the shipped corpus is most of this test, and nothing else runs beside it.
+    # Both cores: embedding the shipped corpus is most of this test.
     argv = ["demo", "--index-dir", str(tmp_path / "nq"), "--max-new-tokens", "24", "--model", MODEL, "--threads", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
