@@ -34,13 +34,15 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, in
         print(f"(our kernel is unavailable: {reason})")
     else:
         found["ours"] = lambda x, i, lib=library: run_linear(lib, x, weights[i], None)
-    for method, fmt in (("int8", "q8"), ("int4", "q4")):
+    # int8 in our groups (128) and in Q8_0's (32): what a block's scaling costs.
+    settings = (("int8", "int8", "q8", None), ("int8 g32", "int8", "q8", 32), ("int4", "int4", "q4", None))
+    for name, method, fmt, group in settings:
         quantized_library, reason = linear_library(dtype, fmt)
         if quantized_library is None:
             print(f"(our {method} kernel is unavailable: {reason})")
             continue
-        quantized = [quantize(w, method) for w in weights]
-        found[f"ours {method}"] = lambda x, i, q=quantized, lib=quantized_library: run_quantized(
+        quantized = [quantize(w, method, group) for w in weights]
+        found[f"ours {name}"] = lambda x, i, q=quantized, lib=quantized_library: run_quantized(
             lib, x, q[i].values, q[i].scale, q[i].offset, q[i].group_shift, q[i].shape[0], None
         )
     # torch's int8 weight-only product for CPUs (what torchao's int8 weight-only layers call there): a scale per row.

@@ -159,6 +159,13 @@ def _declare_quantized(lib: ctypes.CDLL) -> None:
     lib.linear_quantized.restype = None
 
 
+def activation_block(group_shift: int) -> int:
+    """Values per activation scale for q8 weights in groups of 2**group_shift (`linear_q8.c`): the
+    group, at least 32 (a register of int8) and at most 128, so a block lies within one weight
+    scale (or spans two groups of 16)."""
+    return min(max(1 << group_shift, 32), 128)
+
+
 def run_quantized(
     library: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
     group_shift: int, out_features: int, bias: torch.Tensor | None,
@@ -171,7 +178,7 @@ def run_quantized(
     features = x.shape[-1]
     int8 = q.dtype == torch.int8
     per_row = features if int8 else features // 2
-    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % (32 if int8 else 16):
+    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % (activation_block(group_shift) if int8 else 16):
         raise ValueError(f"quantized weights of shape {tuple(q.shape)} do not take {features} features")
     rows = x.numel() // features
     dtype = torch.float32 if int8 else x.dtype

@@ -2,12 +2,14 @@
  * of x, each row summed the same way whatever the others (AVX2: integer pair products).
  *
  * The weights: int8 values q[n][k] with an fp32 scale per group of 2^group_shift >= 16 values along
- * k (GGUF's Q8_0 has groups of 32; Q6_K, held as int8, of 16). Each row of x is quantized on its own,
- * as llama.cpp quantizes activations for its Q8_0 dot products: per block of 32 values, a scale
- * d = max|x| / 127 and values round(x / d) in [-127, 127]. So a row's quantized values depend on that
- * row alone, and
+ * k (ours: 128; GGUF's Q8_0 has groups of 32; Q6_K, held as int8, of 16). Each row of x is quantized
+ * on its own, per block of `act` values (the weights' group, at least 32 and at most 128: 32 is how
+ * llama.cpp quantizes activations for its Q8_0 dot products), a scale d = max|x| / 127 and values
+ * round(x / d) in [-127, 127]. So a row's quantized values depend on that row alone, and
  *     y[m][n] = sum over blocks b of  d_x[m][b] * (d_w[n][b] * (integer dot product of the block)),
- * the integer products exact (32 products of at most 127 x 128 fit int16 pairs and int32 lanes).
+ * the integer products exact (32 products of at most 127 x 128 fit int16 pairs; a block of 128 sums
+ * four such in int32 lanes). The scales are applied once a block: on AVX2 that fp32 work costs as
+ * much as the integer products, so blocks of 128 (ours) compute faster than Q8_0's of 32.
  *
  * The invariant: y[m][n] is the same sequence of operations on the same inputs, whatever M and
  * whatever rows sit beside m. Its accumulator takes blocks b = 0, 1, 2, ... in order, each an fma of
@@ -22,18 +24,20 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define BLOCK 32     /* activation values per scale */
+#define BLOCK 32     /* values per integer product step (one register of int8) */
+#define MAX_UNITS 4  /* steps per activation block (1, 2 or 4): blocks of at most 128 */
 #define W_ROWS 2     /* weight rows per tile: 2 x 3 accumulators, the weights' magnitudes and scales, */
 #define X_ROWS 3     /* and x's values and scale fill AVX2's 16 registers */
 #define BLOCK_M 192  /* rows of x per cache block */
 #define BLOCK_N 64   /* weight rows per cache block, a multiple of W_ROWS */
-#define CHUNK_K 1024 /* values of k per chunk, a multiple of BLOCK */
+#define CHUNK_K 1024 /* values of k per chunk, a multiple of every activation block */
 #define FEW_ROWS 64  /* rows of x up to which k is not chunked */
 
-/* Rows of x quantized: their int8 values, and per block of each row the scale. */
+/* Rows of x quantized: their int8 values, and per block of `units` steps of each row the scale. */
 typedef struct {
     int8_t *q;
     float *d;
+    int64_t units;
 } acts;
 
 typedef struct {
@@ -42,6 +46,13 @@ typedef struct {
     int64_t K, groups, group_shift;
 } weights;
 
+/* Steps of BLOCK values per activation block: the weights' group, at least one step and at most
+ * MAX_UNITS, so each block sits within one weight scale (or, for groups of 16, two per step). */
+static int64_t units_for(int64_t group_shift) {
+    const int64_t units = group_shift <= 5 ? 1 : (int64_t)1 << (group_shift - 5);
+    return units < MAX_UNITS ? units : MAX_UNITS;
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);
@@ -49,32 +60,35 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Row `x` (K values) into `q` and `d`: per block, d = max|x| / 127 and q = round(x * (127 / max|x|)),
- * ties to even; an all-zero block gets d = 0 and q = 0. */
-static void quantize_row(const float *x, int8_t *q, float *d, int64_t K) {
+/* Row `x` (K values) into `q` and `d`: per block of `units` steps, d = max|x| / 127 and
+ * q = round(x * (127 / max|x|)), ties to even; an all-zero block gets d = 0 and q = 0. */
+static void quantize_row(const float *x, int8_t *q, float *d, int64_t K, int64_t units) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < K / BLOCK; b++) {
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-        }
+    const int64_t size = units * BLOCK;
+    for (int64_t b = 0; b < K / size; b++) {
+        const float *xb = x + b * size;
+        __m256 m = _mm256_setzero_ps();
+        for (int64_t i = 0; i < size; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         const float amax = _mm_cvtss_f32(h);
         d[b] = amax / 127.0f;
         const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i n[4];
-        for (int i = 0; i < 4; i++)
-            n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        /* Packing works within 128-bit halves: the permute puts the 32 values back in order. */
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-        _mm256_storeu_si256((__m256i *)(q + b * BLOCK), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        for (int64_t u = 0; u < units; u++) {
+            __m256i n[4];
+            for (int i = 0; i < 4; i++)
+                n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + u * BLOCK + 8 * i), inv),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* Packing works within 128-bit halves: the permute puts the 32 values back in order. */
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+            _mm256_storeu_si256((__m256i *)(q + b * size + u * BLOCK),
+                                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
     }
 }
 
-/* Weight row n's scales for block b as 8 lanes: lanes 0-3 sum values 0-15 of the block, lanes 4-7
+/* Weight row n's scales for step b as 8 lanes: lanes 0-3 sum values 0-15 of the step, lanes 4-7
  * values 16-31, so groups of 16 take a scale per half. */
 static inline __m256 weight_scale(const weights *W, int64_t n, int64_t b) {
     const float *s = W->scale + n * W->groups;
@@ -82,37 +96,49 @@ static inline __m256 weight_scale(const weights *W, int64_t n, int64_t b) {
     return _mm256_set1_ps(s[(b * BLOCK) >> W->group_shift]);
 }
 
-/* m rows of x against r weight rows over blocks [b0, b1), adding to the accumulators `acc` (r x m,
- * kept between calls). The weight's magnitude meets x's value with the weight's sign (maddubs
- * multiplies unsigned by signed bytes): |w| <= 128 and |q| <= 127, so no pair sum saturates. */
+/* m rows of x against r weight rows over steps [b0, b1) (whole activation blocks), adding to the
+ * accumulators `acc` (r x m, kept between calls). The weight's magnitude meets x's value with the
+ * weight's sign (maddubs multiplies unsigned by signed bytes): |w| <= 128 and |q| <= 127, so no pair
+ * sum saturates. A block's steps sum in int32 lanes; then its scales, once. */
 static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc,
-                                                       const int m, const int r, int64_t b0, int64_t b1) {
-    const int64_t K = W->K, KB = K / BLOCK;
+                                                       const int m, const int r, const int units, int64_t b0, int64_t b1) {
+    const int64_t K = W->K, KB = K / BLOCK, KA = KB / units;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 a[W_ROWS][X_ROWS];
     for (int j = 0; j < r; j++)
         for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i];
     /* Where a tile reads whole rows (a few rows of x), the next tile's r rows are the next r K bytes:
-     * fetched r x 32 bytes a block, as the hardware's prefetcher misses rows read side by side. */
+     * fetched r x 32 bytes a step, as the hardware's prefetcher misses rows read side by side. */
     const int whole = b0 == 0 && b1 == KB;
     const int8_t *next = W->q + (n + r) * K;
-    for (int64_t b = b0; b < b1; b++) {
-        if (whole) _mm_prefetch((const char *)(next + b * r * BLOCK), _MM_HINT_T1);
-        const int8_t *w = W->q + n * K + b * BLOCK;
-        __m256i wm[W_ROWS];
-        __m256 ws[W_ROWS];
-        for (int j = 0; j < r; j++) {
-            wm[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(w + j * K)));
-            ws[j] = weight_scale(W, n + j, b);
-        }
-        for (int i = 0; i < m; i++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + b * BLOCK));
-            const __m256 xd = _mm256_broadcast_ss(A->d + (i0 + i) * KB + b);
+    __m256i sums[W_ROWS][X_ROWS];
+    for (int64_t g = b0; g < b1; g += units) {
+        for (int u = 0; u < units; u++) { /* unrolled: `units` is a constant */
+            /* A block's last step meets its scales; the steps before it only add up integers. */
+            const int64_t b = g + u;
+            const int last = u == units - 1;
+            if (whole) _mm_prefetch((const char *)(next + b * r * BLOCK), _MM_HINT_T1);
+            const int8_t *w = W->q + n * K + b * BLOCK;
+            __m256i wm[W_ROWS];
+            __m256 ws[W_ROWS];
             for (int j = 0; j < r; j++) {
-                /* The weight's bytes read again here rather than held: registers go to accumulators. */
-                const __m256i signed_x = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i *)(w + j * K)));
-                const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wm[j], signed_x), ones));
-                a[j][i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(xd, ws[j]), a[j][i]);
+                wm[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(w + j * K)));
+                if (last) ws[j] = weight_scale(W, n + j, b);
+            }
+            for (int i = 0; i < m; i++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + b * BLOCK));
+                for (int j = 0; j < r; j++) {
+                    /* The weight's bytes read again here rather than held: registers go to accumulators. */
+                    const __m256i signed_x = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i *)(w + j * K)));
+                    const __m256i step = _mm256_madd_epi16(_mm256_maddubs_epi16(wm[j], signed_x), ones);
+                    const __m256i total = u == 0 ? step : _mm256_add_epi32(sums[j][i], step);
+                    if (!last) {
+                        sums[j][i] = total;
+                        continue;
+                    }
+                    const __m256 xd = _mm256_broadcast_ss(A->d + (i0 + i) * KA + g / units);
+                    a[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(xd, ws[j]), a[j][i]);
+                }
             }
         }
     }
@@ -120,17 +146,22 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
         for (int i = 0; i < m; i++) acc[j * X_ROWS + i] = a[j][i];
 }
 
-#define TILES(m)                                                                                                           \
-    static void full_##m(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc, int64_t b0, int64_t b1) {   \
-        tile(A, i0, W, n, acc, m, W_ROWS, b0, b1);                                                                         \
-    }                                                                                                                      \
-    static void single_##m(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc, int64_t b0, int64_t b1) { \
-        tile(A, i0, W, n, acc, m, 1, b0, b1);                                                                              \
+/* Each tile shape compiled for each number of steps a block (constants let the compiler keep the
+ * sums in registers). */
+#define TILES(m, u)                                                                                                          \
+    static void full_##m##_##u(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc, int64_t b0, int64_t b1) {   \
+        tile(A, i0, W, n, acc, m, W_ROWS, u, b0, b1);                                                                        \
+    }                                                                                                                        \
+    static void single_##m##_##u(const acts *A, int64_t i0, const weights *W, int64_t n, __m256 *acc, int64_t b0, int64_t b1) { \
+        tile(A, i0, W, n, acc, m, 1, u, b0, b1);                                                                             \
     }
 typedef void (*tile_fn)(const acts *, int64_t, const weights *, int64_t, __m256 *, int64_t, int64_t);
-TILES(1) TILES(2) TILES(3) /* up to X_ROWS */
-static const tile_fn FULL[] = {0, full_1, full_2, full_3};
-static const tile_fn SINGLE[] = {0, single_1, single_2, single_3};
+TILES(1, 1) TILES(2, 1) TILES(3, 1) /* up to X_ROWS rows, by 1, 2 or MAX_UNITS steps */
+TILES(1, 2) TILES(2, 2) TILES(3, 2)
+TILES(1, 4) TILES(2, 4) TILES(3, 4)
+static const tile_fn FULL[][X_ROWS + 1] = {{0, full_1_1, full_2_1, full_3_1}, {0, full_1_2, full_2_2, full_3_2}, {0, full_1_4, full_2_4, full_3_4}};
+static const tile_fn SINGLE[][X_ROWS + 1] = {{0, single_1_1, single_2_1, single_3_1}, {0, single_1_2, single_2_2, single_3_2},
+                                             {0, single_1_4, single_2_4, single_3_4}};
 
 /* One call's work, shared with the pool's parts (`pool.c`). */
 typedef struct {
@@ -145,9 +176,9 @@ void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
 
 static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     job *J = ctx;
-    const int64_t KB = J->K / BLOCK;
+    const int64_t KA = J->K / (BLOCK * J->A.units);
     for (int64_t i = J->M * part / parts; i < J->M * (part + 1) / parts; i++)
-        quantize_row(J->x + i * J->K, J->A.q + i * J->K, J->A.d + i * KB, J->K);
+        quantize_row(J->x + i * J->K, J->A.q + i * J->K, J->A.d + i * KA, J->K, J->A.units);
 }
 
 /* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for every row of x. */
@@ -158,6 +189,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
      * whole of k, streams each weight row from memory once, prefetched, while every tile of rows
      * passes it in L1. */
     const int64_t chunk = M <= FEW_ROWS ? KB : CHUNK_K / BLOCK, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    const int shape = J->A.units == 1 ? 0 : J->A.units == 2 ? 1 : 2;
     /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
      * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
     const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
@@ -174,7 +206,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
                     __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
                     for (int64_t n = n_start; n < n_end;) {
                         const int full = n + W_ROWS <= n_end;
-                        (full ? FULL : SINGLE)[m](&J->A, m0, &J->W, n, row_accs + (n - n_start) * X_ROWS, b0, b1);
+                        (full ? FULL : SINGLE)[shape][m](&J->A, m0, &J->W, n, row_accs + (n - n_start) * X_ROWS, b0, b1);
                         n += full ? W_ROWS : 1;
                     }
                 }
@@ -191,13 +223,14 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     free(accs);
 }
 
-/* x: M x K fp32 (K a multiple of 32), q: N x K int8, scale: N x groups, bias: N or NULL, out: M x N. */
+/* x: M x K fp32 (K a multiple of the activation block), q: N x K int8, scale: N x groups, bias: N or
+ * NULL, out: M x N. */
 void linear_quantized(const float *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
                       const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     (void)offset;
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
-             .A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * (K / BLOCK))}};
+             .A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
     pool_run(quantize_part, &J, M < threads ? M : threads);
     pool_run(multiply_part, &J, threads);
     free(J.A.q);

@@ -3,8 +3,9 @@
 Two formats, each a scale (and for 4 bits an offset) per group of 2**group_shift values along a row:
 
 - q8: int8 values, w = scale * q, multiplied by int8 activations: each row of x is quantized on
-  its own per block of 32 values (`quantize_activations`, as llama.cpp does for its Q8_0 products),
-  so the products are integer dot products;
+  its own per block of the weights' group, at least 32 and at most 128 values
+  (`quantize_activations`; 32 is how llama.cpp quantizes them for its Q8_0 products), so the
+  products are integer dot products, scaled once a block;
 - q4: 4-bit values in [0, 15], w = fma(q, scale, offset), packed two to a byte in the kernel's
   order (per 16 values, 8 bytes: the low dword holds the values at even places, the high one those
   at odd places, 4 bits each from the lowest), multiplied by activations in the model's dtype.
@@ -17,6 +18,7 @@ half-precision scale times a small integer) are held exactly (`quantization/gguf
 
     weight = quantize(linear.weight, "int4")   # QuantizedWeight, q4 in groups of 32
     dequantize(weight)                         # the fp32 weights the kernels multiply by
+    quantize(linear.weight, "int8").group      # 128 where the layer's inputs allow it
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cpu.linear import activation_block
 from ..errors import InvalidArgumentError
 
-# Values per group of our own quantization: as fine as GGUF's Q8_0 and Q4_K.
+# Values per group of our own 4-bit quantization: as fine as GGUF's Q4_K.
 GROUP = 32
-# Activation values per int8 scale (q8): as llama.cpp quantizes them for Q8_0.
-ACTIVATION_BLOCK = 32
+# Values per group of our own int8 quantization, and so per activation block, the largest that
+# divides a layer's inputs. On AVX2 a block's scaling costs as much as its integer products, and
+# blocks of 128 compute 1.2-1.5 times as fast as Q8_0's of 32 (`docs/design.md` has the figures and
+# what it costs in quality).
+INT8_GROUPS = (128, 64, 32)
 
 
 @dataclass
@@ -45,20 +51,26 @@ class QuantizedWeight:
     shape: tuple[int, int]
 
     @property
+    def group(self) -> int:
+        return 1 << self.group_shift
+
+    @property
     def nbytes(self) -> int:
         """Bytes a forward reads: values, scales and offsets."""
         tensors = [self.values, self.scale] + ([self.offset] if self.offset is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> QuantizedWeight:
     """`weight` [out, in] as "int8" (symmetric, a scale per `group` values: its largest magnitude
-    over 127, as GGUF's Q8_0) or "int4" (a scale and an offset per `group` values: the group's
+    over 127, as GGUF's Q8_0 for groups of 32; by default the largest of `INT8_GROUPS` that divides
+    the inputs) or "int4" (a scale and an offset per `group` values, by default 32: the group's
     minimum and its range over 15 steps)."""
     if method not in ("int8", "int4"):
         raise InvalidArgumentError(f"unknown quantization {method!r}: 'int8' or 'int4'", "quantization")
     w = weight.detach().to(torch.float32, copy=True).cpu()
     out_features, in_features = w.shape
+    group = group or default_group(in_features, method)
     groups = w.reshape(out_features, in_features // group, group)
     shift = group.bit_length() - 1
     if method == "int8":
@@ -75,11 +87,20 @@ def quantize(weight: torch.Tensor, method: str, group: int = GROUP) -> Quantized
     )  # fmt: skip
 
 
-def fits(in_features: int, method: str, group: int = GROUP) -> str:
+def default_group(in_features: int, method: str) -> int:
+    """The group `quantize` uses for a layer of `in_features` inputs."""
+    if method == "int8":
+        return next((g for g in INT8_GROUPS if in_features % g == 0), INT8_GROUPS[-1])
+    return GROUP
+
+
+def fits(in_features: int, method: str, group: int | None = None) -> str:
     """Why a layer of `in_features` inputs cannot take `method` ("" when it can): the kernels read
-    whole groups, and int8 activations come in blocks of 32."""
-    if method == "int8" and in_features % ACTIVATION_BLOCK:
-        return f"{in_features} inputs is not a multiple of the activation block of {ACTIVATION_BLOCK}"
+    whole groups, and int8 activations come in blocks of at least 32."""
+    group = group or default_group(in_features, method)
+    block = activation_block(group.bit_length() - 1)
+    if method == "int8" and in_features % block:
+        return f"{in_features} inputs is not a multiple of the activation block of {block}"
     if in_features % group:
         return f"{in_features} inputs is not a multiple of the group of {group}"
     return ""
@@ -99,11 +120,12 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     return (q.to(torch.float64) * scale.to(torch.float64) + offset.to(torch.float64)).to(torch.float32)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """Activations `x` [..., in] as a q8 layer sees them, in fp32: each row per block of 32, d =
-    max|x| / 127 and q = round(x * (127 / max|x|)) (ties to even), as `linear_q8.c` quantizes
-    them; here q * d (the kernel keeps q and d apart and sums q's integer products)."""
-    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+def quantize_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Activations `x` [..., in] as a q8 layer sees them, in fp32: each row per `block` values
+    (`activation_block`), d = max|x| / 127 and q = round(x * (127 / max|x|)) (ties to even), as
+    `linear_q8.c` quantizes them; here q * d (the kernel keeps q and d apart and sums q's integer
+    products)."""
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
     return (q * (amax / 127)).reshape(x.shape)

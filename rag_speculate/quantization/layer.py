@@ -13,10 +13,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..cpu.linear import linear_library, run_quantized
+from ..cpu.linear import activation_block, linear_library, run_quantized
 from ..errors import InvalidArgumentError
 from ..fingerprint import changed_weights
-from .formats import GROUP, QuantizedWeight, dequantize, fits, quantize, quantize_activations
+from .formats import GROUP, INT8_GROUPS, QuantizedWeight, dequantize, fits, quantize, quantize_activations
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class QuantizedLinear(torch.nn.Module):
                 return run_quantized(library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias)
         weight = dequantize(self.weight).to(x.device)
         bias = None if self.bias is None else self.bias.to(x.device, torch.float32)
-        inputs = quantize_activations(x) if self.format == "q8" else x.to(torch.float32)
+        inputs = quantize_activations(x, activation_block(self.group_shift)) if self.format == "q8" else x.to(torch.float32)
         return F.linear(inputs, weight, bias).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -90,11 +90,12 @@ def already_quantized(model: torch.nn.Module) -> str:
 
 
 def quantize_model(
-    model: torch.nn.Module, method: str, weights: dict[str, QuantizedWeight] | None = None, group: int = GROUP
+    model: torch.nn.Module, method: str, weights: dict[str, QuantizedWeight] | None = None, group: int | None = None
 ) -> dict[str, str]:
     """Replace `model`'s linear layers by quantized ones, in place: quantized here by `method`
-    ("int8", "int4"), or given in `weights` (by module name, from a GGUF file: method "gguf").
-    Returns the layers left as they were, with why."""
+    ("int8", "int4"; `group` values per scale, by default `formats.default_group`'s), or given in
+    `weights` (by module name, from a GGUF file: method "gguf"). Returns the layers left as they
+    were, with why."""
     if method not in METHODS:
         raise InvalidArgumentError(f"unknown quantization {method!r}: one of {', '.join(METHODS)}", "quantization")
     reason = already_quantized(model)
@@ -117,7 +118,7 @@ def quantize_model(
             weight = quantize(module.weight, method, group)
         _replace(model, name, QuantizedLinear(weight, module.bias))
     # The disk tier files KV entries under the weights' fingerprint: these are other weights now.
-    changed_weights(model, f"quantize_model {method} group {group}")
+    changed_weights(model, f"quantize_model {method} group {group or (INT8_GROUPS if method == 'int8' else GROUP)}")
     if left:
         logger.info("%d linear layers kept in %s: %s", len(left), next(model.parameters()).dtype, "; ".join(f"{n} ({w})" for n, w in left.items()))
     return left
