@@ -310,15 +310,29 @@ def _is_chat(prompt: Prompt) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
 
 
+def _linear_kinds(model: torch.nn.Module) -> list[str]:
+    """What computes the model's linear layers: plain weights by dtype, a tensor subclass by name,
+    layers of their own (quantized ones) by their description; a layer's cost depends on it."""
+    kinds = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            kinds.add(f"{type(module.weight).__name__} {module.weight.dtype}")
+        elif getattr(module, "rows_alone", False):
+            kinds.add(f"{type(module).__name__} {module.extra_repr()}")
+    return sorted(kinds)
+
+
 def _costs_path(engine: SpeculativeEngine) -> Path:
     """Where this model's cost curve on this machine is kept: keyed by what its forward's cost
-    depends on (the model's shapes, dtype and device, the kernels, the CPU, torch, the threads)."""
+    depends on (the model's shapes, dtype and device, its linear layers' kinds, the kernels, the
+    CPU, torch, the threads)."""
     config = engine.model.config.to_dict()
     shape = {key: config.get(key) for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                                                "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
     parameter = next(engine.model.parameters())
     identity = {
         "version": _COSTS_VERSION, "shape": shape, "dtype": str(parameter.dtype), "device": parameter.device.type,
+        "linear": _linear_kinds(engine.model),
         "kernels": engine.fast_kernels, "tree": engine.tree_attention, "longest": engine.max_batch * (engine.draft_budget + 1),
         "cpu": platform.processor() or platform.machine(), "flags": sorted(cpu_flags()), "torch": torch.__version__,
         "threads": torch.get_num_threads(),

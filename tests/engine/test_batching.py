@@ -15,6 +15,7 @@ from drafters_for_tests import RandomTreeDrafter
 from rag_speculate import InvalidArgumentError, NGramTrieDrafter, RagSpeculateError, SpeculativeEngine
 from rag_speculate.decoding.budget import CostModel
 from rag_speculate.decoding.prompt_cache import kv_bytes_per_token
+from rag_speculate.quantization import quantize_model
 
 pytestmark = pytest.mark.usefixtures("forward_path")
 
@@ -183,3 +184,15 @@ def test_the_cost_curve_is_timed_once_per_machine_and_kept_on_disk(tokenizer, mo
     third = SpeculativeEngine(model, tokenizer)
     third.generate(PROMPTS[0], max_new_tokens=4)
     assert len(timed) == 1
+
+
+def test_a_quantized_model_keeps_a_cost_curve_of_its_own(tokenizer, monkeypatch, tmp_path):
+    """Quantizing changes what a forward of each size costs, not the model's shapes or dtype: int8
+    and 4-bit copies of one model each time their own curve rather than load the other's."""
+    monkeypatch.setenv("RAG_SPECULATE_CACHE", str(tmp_path))
+    for quantization in (None, "int8", "int4"):
+        model = tiny_model("llama")
+        if quantization:
+            quantize_model(model, quantization)
+        SpeculativeEngine(model, tokenizer).generate(PROMPTS[0], max_new_tokens=2)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 3
