@@ -33,9 +33,9 @@ from ..errors import InvalidArgumentError
 # Values per group of our own 4-bit quantization: as fine as GGUF's Q4_K.
 GROUP = 32
 # Values per group of our own int8 quantization, and so per activation block, the largest that
-# divides a layer's inputs. On AVX2 a block's scaling costs as much as its integer products, and
-# blocks of 128 compute 1.2-1.5 times as fast as Q8_0's of 32 (`docs/design.md` has the figures and
-# what it costs in quality).
+# divides a layer's inputs. On AVX2 a block's scaling costs as much as its integer products, so
+# blocks of 128 compute faster than Q8_0's of 32 (docs/design.md: how much, and what it costs in
+# quality).
 INT8_GROUPS = (128, 64, 32)
 
 
