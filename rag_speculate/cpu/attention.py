@@ -57,9 +57,10 @@ def attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor | None:
     """`F.scaled_dot_product_attention` with the same arguments through the compiled kernel; None
-    where it does not serve them (torch's kernel then runs): not fp32 or bf16 on CPU, a batch of
-    more than one, dropout, `is_causal` after cached entries, a mask per head, head dims not a
-    multiple of 16, or no kernel built here."""
+    where it does not serve them (torch's kernel then runs): not fp32 or bf16 on CPU, dropout,
+    `is_causal` after cached entries, a mask per head, head dims not a multiple of 16, or no kernel
+    built here. A batch runs one sequence at a time, so a batched forward's row gets what the same
+    row gets alone (the batched cache's padding is masked, and a masked entry adds nothing)."""
     if not (
         query.device.type == key.device.type == value.device.type == "cpu"
         and (attn_mask is None or attn_mask.device.type == "cpu")
@@ -67,11 +68,11 @@ def attention(
         and query.dtype == key.dtype == value.dtype
         and query.dtype in _DTYPES
         and query.dim() == key.dim() == value.dim() == 4
-        and query.shape[0] == 1
+        and query.shape[0] == key.shape[0] == value.shape[0]
         and dropout_p == 0.0
     ):
         return None
-    _, heads, rows, dims = query.shape
+    batch, heads, rows, dims = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if (
         (is_causal and (attn_mask is not None or rows != length))
@@ -80,13 +81,18 @@ def attention(
         or key.shape != value.shape
         or key.shape[3] != dims
         or dims % 16
-        or (attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[:2] != (1, 1)))
+        or (attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[0] not in (1, batch)))
     ):
         return None
     library = attention_library(query.dtype)[0]
     if library is None:
         return None
-    return run_attention(library, query, key, value, attn_mask, is_causal, dims**-0.5 if scale is None else scale)
+    scale = dims**-0.5 if scale is None else scale
+    if batch == 1:
+        return run_attention(library, query, key, value, attn_mask, is_causal, scale)
+    masks = [None if attn_mask is None else attn_mask[b : b + 1] if attn_mask.shape[0] > 1 else attn_mask for b in range(batch)]
+    one = [(query[b : b + 1], key[b : b + 1], value[b : b + 1], masks[b]) for b in range(batch)]
+    return torch.cat([run_attention(library, q, k, v, m, is_causal, scale) for q, k, v, m in one])
 
 
 def run_attention(

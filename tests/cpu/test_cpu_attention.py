@@ -84,7 +84,6 @@ def test_what_it_does_not_serve_is_left_to_torch():
     assert attention(q, k, v, dropout_p=0.1, enable_gqa=True) is None
     assert attention(q, k, v) is None  # grouped heads without enable_gqa: torch raises, so let it
     assert attention(q[0], k[0], v[0], enable_gqa=True) is None  # not [batch, heads, rows, dims]
-    assert attention(*(torch.cat([t, t]) for t in (q, k, v)), enable_gqa=True) is None  # a batch
     assert attention(q[..., :8], k[..., :8], v[..., :8], enable_gqa=True) is None  # dims not a multiple of 16
     per_head = torch.zeros(1, 6, 3, 40, dtype=torch.bfloat16)
     assert attention(q, k, v, attn_mask=per_head, enable_gqa=True) is None
@@ -106,6 +105,21 @@ def test_each_row_is_computed_as_it_would_be_alone():
     longer_k, longer_v = (torch.cat([t, t[:, :, :5]], dim=2) for t in (k, v))
     cropped = attention(q, longer_k[:, :, :length], longer_v[:, :, :length], attn_mask=additive, enable_gqa=True)
     assert torch.equal(cropped, together)
+
+
+def test_a_batch_gives_each_sequence_what_it_gets_alone():
+    """A batched forward's rows (the BatchCache's: padded, the padding masked per sequence) get the
+    bits each sequence gets in a forward of its own, over its own entries only."""
+    rows, length, seen = 3, 40, (40, 25)
+    q, k, v = (torch.cat([t, t.flip(2)]) for t in _inputs(rows, length=length, dtype=torch.float32))
+    keep = torch.zeros(2, 1, rows, length, dtype=torch.bool)
+    for b, n in enumerate(seen):
+        keep[b, 0, :, :n] = True
+    together = attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    for b, n in enumerate(seen):
+        alone = attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], enable_gqa=True)
+        assert torch.equal(together[b : b + 1], alone), b
+    assert attention(q, k, v, attn_mask=torch.ones(3, 1, rows, length, dtype=torch.bool), enable_gqa=True) is None
 
 
 def test_a_kernel_that_cannot_build_leaves_attention_to_torch(failing_compiler):
