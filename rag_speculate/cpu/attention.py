@@ -81,18 +81,19 @@ def attention(
         or key.shape != value.shape
         or key.shape[3] != dims
         or dims % 16
-        or (attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[0] not in (1, batch)))
+        or (attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[1] != 1))
+        or (attn_mask is not None and attn_mask.shape[0] not in (1, batch))
     ):
         return None
     library = attention_library(query.dtype)[0]
     if library is None:
         return None
     scale = dims**-0.5 if scale is None else scale
-    if batch == 1:
-        return run_attention(library, query, key, value, attn_mask, is_causal, scale)
-    masks = [None if attn_mask is None else attn_mask[b : b + 1] if attn_mask.shape[0] > 1 else attn_mask for b in range(batch)]
-    one = [(query[b : b + 1], key[b : b + 1], value[b : b + 1], masks[b]) for b in range(batch)]
-    return torch.cat([run_attention(library, q, k, v, m, is_causal, scale) for q, k, v, m in one])
+    masks = [None] * batch if attn_mask is None else attn_mask.expand(batch, *attn_mask.shape[1:]).split(1)
+    # One sequence at a time: each gets exactly what it gets in a forward of its own.
+    sequences = zip(query.split(1), key.split(1), value.split(1), masks)
+    outs = [run_attention(library, q, k, v, m, is_causal, scale) for q, k, v, m in sequences]
+    return outs[0] if batch == 1 else torch.cat(outs)
 
 
 def run_attention(
