@@ -115,8 +115,8 @@ static inline vec exp_ps(vec x) {
  *
  * A block shares each load of a key or value chunk between up to BLOCK query vectors of the same
  * key/value head, and stops at the last entry any of them sees; every vector's own sums run in the
- * same order whatever its block holds. The blocks are shared among the kernels' threads (`pool.c`),
- * 4 at a time, as they come: a causal prefill's later rows see more entries. */
+ * same order whatever its block holds. The blocks are shared among the kernels' threads (`pool.c`)
+ * as they come: a causal prefill's later rows see more entries. */
 typedef struct {
     const elem *q, *k, *v;
     const float *mask;
@@ -129,7 +129,7 @@ typedef struct {
 void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
 
 static void attend_part(void *ctx, int64_t part, int64_t parts) {
-    (void)part, (void)parts;
+    (void)part;
     job *J = ctx;
     const elem *q = J->q, *k = J->k, *v = J->v;
     const float *mask = J->mask;
@@ -137,13 +137,18 @@ static void attend_part(void *ctx, int64_t part, int64_t parts) {
     const int64_t rows = J->rows, length = J->length, dims = J->dims, causal = J->causal;
     const float scale = J->scale;
     const int64_t group = J->heads / J->kv_heads, chunks = dims / LANES, padded = (length + LANES - 1) / LANES * LANES;
-    const int64_t vectors = group * rows, blocks = (vectors + BLOCK - 1) / BLOCK, tasks = J->kv_heads * blocks;
+    /* A key/value head's vectors in blocks of at most BLOCK, as even as they divide. */
+    const int64_t vectors = group * rows, blocks = (vectors + BLOCK - 1) / BLOCK, size = (vectors + blocks - 1) / blocks;
+    const int64_t tasks = J->kv_heads * blocks;
+    /* Blocks taken 4 at a time where there are many, one at a time where there are few (a
+     * decoding step has one per few query heads): every thread gets some. */
+    const int64_t grab = tasks >= 8 * parts ? 4 : 1;
     float *p = malloc(sizeof(float) * BLOCK * padded);
     float *query = malloc(sizeof(float) * BLOCK * dims);
-    for (int64_t start; (start = atomic_fetch_add(&J->next, 4)) < tasks;)
-        for (int64_t task = start; task < start + 4 && task < tasks; task++) {
-            const int64_t g = task / blocks, first = task % blocks * BLOCK;
-            const int64_t n = vectors - first < BLOCK ? vectors - first : BLOCK;
+    for (int64_t start; (start = atomic_fetch_add(&J->next, grab)) < tasks;)
+        for (int64_t task = start; task < start + grab && task < tasks; task++) {
+            const int64_t g = task / blocks, first = task % blocks * size;
+            const int64_t n = vectors - first < size ? vectors - first : size;
             const elem *keys = k + g * J->k_head_stride, *values = v + g * J->v_head_stride;
             /* Vector b is query head g * group + (first + b) / rows, row (first + b) % rows: both
              * index [heads, rows] as one run, starting at head g * group. */
