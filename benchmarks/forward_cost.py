@@ -35,7 +35,7 @@ from rag_speculate.decoding.kv_cache import cache_keyword
 from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.drafters.ouroboros.draft_model import head_ids
 from rag_speculate.drafters.ouroboros.int8 import int8_draft_model
-from rag_speculate.drafters.ouroboros.lean_forward import LeanForward, lean_forward
+from rag_speculate.drafters.ouroboros.draft_forward import DraftForward, draft_forward
 from rag_speculate.models.packaged import is_packaged_model, load_packaged_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefills", type=int, default=1, help="prefills timed in a row (the first pays one-off allocations)")
     parser.add_argument("--int8", action="store_true", help="linear layers in int8, as for a draft model (int8_draft_model, rag_speculate/drafters/ouroboros/int8.py)")
     parser.add_argument("--fast", action="store_true", help="forwards through the engine's CPU kernels (FastKernels: rag_speculate/cpu/linear.py and cpu/attention.py), the prefill too")
-    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (rag_speculate/drafters/ouroboros/lean_forward.py)")
+    parser.add_argument("--lean", action="store_true", help="through the lean forward Ouroboros drafts with (rag_speculate/drafters/ouroboros/draft_forward.py)")
     parser.add_argument("--tree", action="store_true",
                         help="as the engine verifies a draft: the q tokens as a chain-shaped tree with its 4D mask (TreeForward, rag_speculate/decoding/forward.py)")
     parser.add_argument("--head-vocabulary", type=int, default=None, metavar="N",
@@ -105,7 +105,7 @@ def torch_attention() -> None:
 
 
 @contextlib.contextmanager
-def restricted_head(lean: LeanForward, groups: tuple[torch.Tensor, ...]) -> None:
+def restricted_head(lean: DraftForward, groups: tuple[torch.Tensor, ...]) -> None:
     """The lean forward's head scoring only the ids of `groups`, as OuroborosDrafter restricts it."""
     lean.restrict_head(*groups)
     try:
@@ -121,7 +121,7 @@ def synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def time_forward(
-    model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False, lean: LeanForward | None = None,
+    model: PreTrainedModel, cache: DynamicCache, tokens: torch.Tensor, fast: bool = False, lean: DraftForward | None = None,
     verifier: TreeForward | None = None,
 ) -> float:
     """Seconds for one forward of ``tokens`` on top of ``cache``; leaves the cache as it was."""
@@ -152,7 +152,7 @@ def main() -> None:
         model = int8_draft_model(model)
     lean = None
     if args.lean:
-        lean, reason = lean_forward(model)
+        lean, reason = draft_forward(model)
         if lean is None:
             sys.exit(f"no lean forward for {args.model}: {reason}")
     # time_forward already runs it inside the fast kernels' mode where asked.
@@ -222,7 +222,7 @@ def main() -> None:
         print_lean_difference(model, lean, cache, inputs)
 
 
-def print_head_building(lean: LeanForward, groups: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...]) -> None:
+def print_head_building(lean: DraftForward, groups: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...]) -> None:
     """What restricting the head costs, as OuroborosDrafter does it: at attach, per generation, and
     all its rows packed anew (what each generation would pay without the common group kept)."""
     def seconds(*restriction: torch.Tensor) -> float:
@@ -239,7 +239,7 @@ def print_head_building(lean: LeanForward, groups: tuple[torch.Tensor, ...], oth
 
 
 @torch.inference_mode()
-def print_lean_difference(model: PreTrainedModel, lean: LeanForward, cache: DynamicCache, inputs: dict[int, torch.Tensor]) -> None:
+def print_lean_difference(model: PreTrainedModel, lean: DraftForward, cache: DynamicCache, inputs: dict[int, torch.Tensor]) -> None:
     """How far the lean forward's logits land from the model's own, for each timed q on the same cache."""
     for q, tokens in inputs.items():
         own = model(input_ids=tokens, **{cache_keyword(model): cache}, use_cache=True).logits

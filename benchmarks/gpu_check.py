@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from rag_speculate import Datastore, DatastoreError, GenerationStats, NGramTrieDrafter, RESTDrafter, SpeculativeEngine
 from rag_speculate.decoding.baseline import timed_generate
-from rag_speculate.decoding.forward import TreeForward
+from rag_speculate.decoding.forward import ModelForward, TreeForward
 from rag_speculate.decoding.kv_cache import keep_cache_entries, make_cache
 from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.models.gguf_file import dense_gguf
@@ -223,28 +223,31 @@ def forward_cost_markdown(costs: dict, dtype: torch.dtype, device_name: str) -> 
 
 
 class ForwardClock:
-    """Seconds inside each of an engine's target forwards (prefill first), read by wrapping the
-    target model's `forward`, which every target forward calls, one sequence's or a batch's.
+    """Seconds inside each of an engine's target forwards (prefill first), read by wrapping
+    `ModelForward._logits`, which every forward of the engine's model runs through (one sequence's
+    or a batch's, the model's own forward or its lean one); a draft model's are not counted.
     Synchronized on CUDA, so the GPU's work is counted here and not in the read-back of the accepted
     tokens that follows it."""
 
     def __init__(self, engine: SpeculativeEngine):
         self.seconds: list[float] = []
-        self._model = engine.model
-        inner, device = self._model.forward, self._model.device
+        model, device = engine.model, engine.model.device
+        inner = self._inner = ModelForward._logits
 
-        def timed(*args, **kwargs):
+        def timed(forward: ModelForward, *args, **kwargs):
+            if forward.model is not model:
+                return inner(forward, *args, **kwargs)
             sync(device)
             started = time.perf_counter()
-            output = inner(*args, **kwargs)
+            output = inner(forward, *args, **kwargs)
             sync(device)
             self.seconds.append(time.perf_counter() - started)
             return output
 
-        self._model.forward = timed  # an instance attribute shadows the method; `remove` deletes it
+        ModelForward._logits = timed
 
     def remove(self) -> None:
-        del self._model.forward
+        ModelForward._logits = self._inner
 
 
 @dataclass

@@ -45,7 +45,7 @@ from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.decoding.budget import CostModel, best_prefix
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.tree import ROOT
-from rag_speculate.drafters.ouroboros.lean_forward import lean_forward
+from rag_speculate.drafters.ouroboros.draft_forward import draft_forward
 from rag_speculate.engine.engine import kernel_context
 
 Method = Callable[[list[int], list | None, int], dict]
@@ -281,20 +281,18 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
     """Seconds per forward by tokens fed, of the target (through the engine's kernels) and of the draft
     model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
 
-    def curve(model, fast: bool, max_q: int, exact: bool = True, forward=None) -> dict[int, float]:
-        context = kernel_context(model) if fast else None  # the CPU kernels where they serve the model
-        verifier = TreeForward(model, context=context or contextlib.nullcontext, forward=forward)
+    def curve(verifier: TreeForward, max_q: int, exact: bool = True) -> dict[int, float]:
         forward = verifier.timed(verifier.supports_tree_attention(exact=exact)[0])
         tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
         return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
 
-    costs = {"target": curve(engine.model, engine.fast_kernels, engine.draft_budget + 1)}
+    costs = {"target": curve(engine.forward, engine.draft_budget + 1)}  # as the engine runs it
     if draft_model is not None:
         # A draft forward feeds the output accepted since the last one, the root and the pool's tree.
-        # As OuroborosDrafter runs it: through the lean forward where that fits, in tree mode where
-        # the drafting check passes (exact=False).
-        lean = lean_forward(draft_model)[0]
-        costs["draft"] = curve(draft_model, True, 33, exact=False, forward=lean)
+        # As OuroborosDrafter runs it: through the lean forward where that fits and the CPU kernels
+        # where they serve it, in tree mode where the drafting check passes (exact=False).
+        context = kernel_context(draft_model) or contextlib.nullcontext
+        costs["draft"] = curve(TreeForward(draft_model, context=context, forward=draft_forward(draft_model)[0]), 33, exact=False)
     return costs
 
 

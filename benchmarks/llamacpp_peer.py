@@ -9,8 +9,8 @@ Methods:
   (draft_budget=0): speculation must give exactly the plain tokens;
 - with `--int8`: llama.cpp on a Q8_0 GGUF written from the same weights (each tensor dequantized
   and requantized by the `gguf` package, as llama.cpp's quantizer does), and ours with the same
-  weights requantized to int8 (`quantization="int8"`: Q8_0's groups of 32, activations quantized
-  per row as llama.cpp quantizes them), speculative and plain; and ours on the dequantized weights
+  weights requantized to int8 (`quantization="int8"`: groups of 128, activations quantized per
+  row in blocks of the same size), speculative and plain; and ours on the dequantized weights
   in fp32, plainly: the reference that says how often quantizing changes an answer.
 
 Items are Spec-Bench's summarization and RAG prompts (`benchmarks/data`), each run once per method

@@ -31,3 +31,11 @@ def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callab
     if required:
         raise InvalidArgumentError(f"fast_kernels=True, but {reason}")
     return None
+
+
+def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """`F.linear` and `F.scaled_dot_product_attention` through the kernels (torch's where they do
+    not serve the arguments), for a forward that calls them itself rather than through the mode."""
+    from .kernels import linear, scaled_dot_product_attention
+
+    return linear, scaled_dot_product_attention

@@ -16,6 +16,7 @@ verified beside it, and a request's answer does not depend on what came before i
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -23,20 +24,28 @@ from .attention import attention
 from .linear import linear_kernel_for
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through the kernel where it serves the arguments, else torch's."""
+    kernel = linear_kernel_for(x, weight, bias)
+    return kernel(x, weight, bias) if kernel is not None else F.linear(x, weight, bias)
+
+
+def scaled_dot_product_attention(*args, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` through the kernel where it serves the arguments, else torch's."""
+    out = attention(*args, **kwargs)
+    return out if out is not None else F.scaled_dot_product_attention(*args, **kwargs)
+
+
 class FastKernels(TorchFunctionMode):
     """Within this context, on CPU: `F.linear` and `F.scaled_dot_product_attention` over fp32 or
-    bf16 run this layer's kernels wherever they serve the arguments."""
+    bf16 run this layer's kernels wherever they serve the arguments. A forward that calls them
+    itself (`decoding/lean_forward.py`) takes `linear` and `scaled_dot_product_attention` instead,
+    and saves every other operator the mode's dispatch."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            kernel = linear_kernel_for(x, weight, bias)
-            if kernel is not None:
-                return kernel(x, weight, bias)
-        elif func is F.scaled_dot_product_attention:
-            out = attention(*args, **kwargs)
-            if out is not None:
-                return out
+            return linear(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return scaled_dot_product_attention(*args, **kwargs)
         return func(*args, **kwargs)

@@ -225,11 +225,8 @@ class BatchForward(ModelForward):
         positions = torch.from_numpy(depths).to(self.device) + torch.tensor(lengths, device=self.device)[:, None]
         mask = self._mask(inputs, lengths, fed, cache.get_seq_length())
         keep = {"logits_to_keep": 1} if last_only and self._keeps_logits and len({len(i.tokens) for i in inputs}) == 1 else {}
-        with self.context(), shared_kv_heads(self.device):
-            logits = self.model(
-                input_ids=torch.from_numpy(ids).to(self.device), position_ids=positions, attention_mask=mask,
-                use_cache=True, **{self._cache_keyword: cache}, **keep,
-            ).logits  # fmt: skip
+        with shared_kv_heads(self.device):
+            logits = self._logits(cache, input_ids=torch.from_numpy(ids).to(self.device), position_ids=positions, attention_mask=mask, **keep)
         if last_only:
             return [logits[b, len(item.tokens) - 1 if not keep else -1][None] for b, item in enumerate(inputs)]
         return [logits[b, : len(item.tokens)] for b, item in enumerate(inputs)]

@@ -47,19 +47,9 @@ class ModelForward:
     """What every forward of one model needs, read once: its device, its masks' dtype, whether it
     can return the last rows' logits alone, and its KV cache's keyword. `context`: what every
     forward runs inside (the CPU kernels' mode, where the engine uses them: it hands the context
-    in, so nothing here loads the kernel layer)."""
-
-    def __init__(self, model: PreTrainedModel, *, context: Callable[[], AbstractContextManager] = contextlib.nullcontext):
-        self.model = model
-        self.context = context
-        self.device = model.device
-        self.mask_dtype = next(model.parameters()).dtype
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_keyword = cache_keyword(model)
-
-
-class TreeForward(ModelForward):
-    """Prefill and draft-tree forwards of one model on its KV cache, returning logits."""
+    in, so nothing here loads the kernel layer). `forward` runs in place of the model's own, given
+    the same arguments and the KV cache as `cache`, returning the logits: its lean forward
+    (`lean_forward.py`), which for a target gives the model's own logits bit for bit."""
 
     def __init__(
         self,
@@ -68,10 +58,23 @@ class TreeForward(ModelForward):
         context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         forward: Callable[..., torch.Tensor] | None = None,
     ):
-        """`forward` runs in place of the model's own (given the same arguments, the KV cache as
-        `cache`, it returns the logits): a draft model's lean forward. The target always runs its own."""
-        super().__init__(model, context=context)
+        self.model = model
+        self.context = context
+        self.device = model.device
+        self.mask_dtype = next(model.parameters()).dtype
         self._forward = forward
+        self._keeps_logits = forward is not None or "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
+
+    def _logits(self, cache, **inputs) -> torch.Tensor:
+        with self.context():
+            if self._forward is not None:
+                return self._forward(cache=cache, **inputs)
+            return self.model(**inputs, **{self._cache_keyword: cache}, use_cache=True).logits
+
+
+class TreeForward(ModelForward):
+    """Prefill and draft-tree forwards of one model on its KV cache, returning logits."""
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
@@ -107,12 +110,6 @@ class TreeForward(ModelForward):
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         logits = self._logits(cache, input_ids=ids, **self._last_rows(last_rows))[0]
         return logits[-last_rows:] if last_rows else logits
-
-    def _logits(self, cache: DynamicCache, **inputs) -> torch.Tensor:
-        with self.context():
-            if self._forward is not None:
-                return self._forward(cache=cache, **inputs)
-            return self.model(**inputs, **{self._cache_keyword: cache}, use_cache=True).logits
 
     @torch.inference_mode()
     def timed(self, tree_mode: bool, context: int = 32) -> Callable[[int], None]:

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..cpu import forward_context
+from ..cpu import forward_context, kernel_functions
 from ..decoding.batch import BatchForward, unsupported
 from ..decoding.budget import CostModel
 from ..decoding.forward import TreeForward
+from ..decoding.lean_forward import Kernels, lean_forward
 from ..decoding.output import eos_token_ids
 from ..decoding.prompt_cache import PromptCache, kv_bytes_per_token
 from ..decoding.request import Request, check_int
@@ -113,14 +114,21 @@ class SpeculativeEngine:
         self._inputs = Inputs(tokenizer, self.vocab_size, self.max_positions, self.name)
         context = kernel_context(model, fast_kernels)
         self.fast_kernels = context is not None
-        self._forward = TreeForward(model, context=context or contextlib.nullcontext)
+        # The model's own forward, or its lean forward where that gives the same logits bit for bit
+        # (calling the kernels itself, outside their mode); why not, "" when it does.
+        lean, self.lean_forward_skipped = lean_forward(
+            model, Kernels(*kernel_functions()) if context else Kernels(), exact=True, context=context or contextlib.nullcontext
+        )  # fmt: skip
+        forwards = {"forward": lean, "context": contextlib.nullcontext} if lean else {"context": context or contextlib.nullcontext}
+        # The forward that prefills and verifies one generation at a time (benchmarks time it).
+        self.forward = TreeForward(model, **forwards)
         # A draft model's forwards go through the kernels where they serve it, unless they are refused.
         draft_kernels = False if fast_kernels is False else None
         drafts_with: Callable[[torch.nn.Module], ForwardContext] = (
             lambda other: kernel_context(other, draft_kernels) or contextlib.nullcontext
         )
         self.drafter.attach(Target(tokenizer, self.vocab_size, model.device, drafts_with))
-        self.tree_attention, reason = self._forward.supports_tree_attention()
+        self.tree_attention, reason = self.forward.supports_tree_attention()
         if not self.tree_attention:
             warnings.warn(
                 f"{type(model).__name__} cannot verify a draft tree with a custom 4D attention mask ({reason}); "
@@ -139,16 +147,16 @@ class SpeculativeEngine:
         self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes, folder=prompt_cache_dir,
                                                   disk_bytes=prompt_cache_disk_bytes, kernels=self.fast_kernels)  # fmt: skip
         self.prompt_cache.warm_with(self._warm)
-        batched = BatchForward(model, context=context or contextlib.nullcontext)
+        batched = BatchForward(model, **forwards)
         # Why generations run one at a time here ("" when they run together).
         self.batching_unsupported = unsupported(model) or ("" if self.tree_attention else "it verifies chains only")
         if not self.batching_unsupported:
-            self.batching_unsupported = batched.rows_unsupported(self._forward)
+            self.batching_unsupported = batched.rows_unsupported(self.forward)
         if self.batching_unsupported:
             if max_batch > 1:
                 logger.info("%s runs one generation at a time: %s", type(model).__name__, self.batching_unsupported)
             max_batch = 1
-            runner: BatchRunner | SequentialRunner = SequentialRunner(model, self._forward, self.prompt_cache, self.tree_attention)
+            runner: BatchRunner | SequentialRunner = SequentialRunner(model, self.forward, self.prompt_cache, self.tree_attention)
         else:
             runner = BatchRunner(model, batched, self.prompt_cache)
         self.max_batch = max_batch
@@ -277,7 +285,7 @@ class SpeculativeEngine:
             self.cost_model = CostModel.load(path)
             if self.cost_model is None:
                 longest = self.max_batch * (self.draft_budget + 1)
-                self.cost_model = CostModel.measure(self._forward.timed(self.tree_attention), longest)
+                self.cost_model = CostModel.measure(self.forward.timed(self.tree_attention), longest)
                 try:
                     self.cost_model.save(path)
                 except OSError as error:  # a read-only cache costs a timing per engine, nothing more

@@ -9,6 +9,7 @@ kernel cannot be built, torch computes the same product from the dequantized val
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,31 @@ class QuantizedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias.to(x.device, torch.float32)
         inputs = quantize_activations(x, activation_block(self.group_shift)) if self.format == "q8" else x.to(torch.float32)
         return F.linear(inputs, weight, bias).to(x.dtype)
+
+    @classmethod
+    def fused(cls, layers: Sequence[QuantizedLinear]) -> QuantizedLinear:
+        """One layer computing `layers`' products of one input side by side (queries, keys and
+        values, say): one kernel call where there were several, and the same bits, as each output
+        row is computed alone. The layers keep working, their buffers now views of the fused
+        layer's (no second copy of the weights)."""
+        first = layers[0]
+        if any((m.format, m.group_shift, m.in_features) != (first.format, first.group_shift, first.in_features) for m in layers):
+            raise ValueError("only layers of one format, group and input size fuse")
+        if any((m.bias is None) != (first.bias is None) for m in layers):
+            raise ValueError("layers with and without a bias do not fuse")
+        tensors = {name: torch.cat([getattr(m, name) for m in layers]) for name in ("values", "scale", "offset") if getattr(first, name) is not None}
+        out_features = sum(m.out_features for m in layers)
+        weight = QuantizedWeight(first.format, tensors["values"], tensors["scale"], tensors.get("offset"), first.group_shift, (out_features, first.in_features))
+        fused = cls(weight, None if first.bias is None else torch.cat([m.bias for m in layers]))
+        start = 0
+        for m in layers:
+            rows = slice(start, start + m.out_features)
+            for name in tensors:
+                setattr(m, name, getattr(fused, name)[rows])
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(fused.bias[rows], requires_grad=False)
+            start = rows.stop
+        return fused
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, group={1 << self.group_shift}"

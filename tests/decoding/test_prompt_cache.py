@@ -22,16 +22,17 @@ OTHER = "the quick brown fox sleeps under a tall oak tree, as foxes"
 
 
 class _Prefills:
-    """The tokens each generation's first forward (its prefill) feeds the model."""
+    """The tokens each generation's first forward (its prefill) feeds the model: seen by its
+    embedding, which the model's own forward and its lean forward both call."""
 
     def __init__(self, model):
         self.fed: list[int] = []
         self._first = True
-        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        model.get_input_embeddings().register_forward_pre_hook(self._hook)
 
-    def _hook(self, module, args, kwargs):
+    def _hook(self, module, args):
         if self._first:
-            self.fed.append(kwargs["input_ids"].shape[1])
+            self.fed.append(args[0].shape[1])
         self._first = False
 
     def next_generation(self):

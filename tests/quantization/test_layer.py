@@ -102,6 +102,24 @@ def test_llm_int8_outlier_columns_are_named_as_rows_that_interact(tokenizer, tmp
         SpeculativeEngine(model, tokenizer)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_fused_layers_give_each_layers_product_and_share_its_weights(method):
+    from rag_speculate.quantization.formats import quantize
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, n, bias=True) for n in (64, 32, 32)]
+    parts = [QuantizedLinear(quantize(layer.weight, method), layer.bias) for layer in layers]
+    x = torch.randn(3, 256)
+    alone = [p(x) for p in parts]
+    fused = QuantizedLinear.fused(parts)
+    assert all(torch.equal(got, want) for got, want in zip(fused(x).split([64, 32, 32], dim=-1), alone))
+    assert all(torch.equal(p(x), want) for p, want in zip(parts, alone))  # they read the fused weights now
+    assert parts[1].values.data_ptr() == fused.values[64:].data_ptr()
+    other = QuantizedLinear(quantize(torch.nn.Linear(256, 8).weight, "int4" if method == "int8" else "int8"), None)
+    with pytest.raises(ValueError, match="one format"):
+        QuantizedLinear.fused([parts[0], other])
+
+
 def test_layers_that_do_not_fit_stay_as_they_are(tokenizer):
     model = tiny_model("llama", hidden_size=48, intermediate_size=96)  # 48 inputs: no whole group of 32
     left = quantize_model(model, "int4")

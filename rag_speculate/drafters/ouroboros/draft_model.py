@@ -22,7 +22,7 @@ from ...decoding.sampling import SamplingParams
 from ...decoding.tree import DraftTree
 from ...decoding.verify import Verification, accept
 from ..base import ForwardContext
-from .lean_forward import lean_forward
+from .draft_forward import draft_forward
 
 _GREEDY = SamplingParams()
 Alternative = tuple[int, float]  # a token the draft model ranked below its choice, and its probability
@@ -64,7 +64,7 @@ class DraftModel:
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         # Why the draft model runs its own forward rather than the leaner one; "" when lean.
-        self._lean, self.lean_forward_skipped = lean_forward(model) if lean else (None, "lean=False")
+        self._lean, self.lean_forward_skipped = draft_forward(model) if lean else (None, "lean=False")
         # Its forwards run as the engine runs a model's (`attach`).
         self.forward = TreeForward(model, forward=self._lean)
         self.head_vocabulary = head_vocabulary

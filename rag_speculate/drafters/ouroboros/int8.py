@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -53,6 +54,29 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=self.reduce_range)
+
+    @classmethod
+    def fused(cls, layers: Sequence[Int8Linear]) -> Int8Linear:
+        """One layer computing `layers`' products of one input side by side: in a small draft model,
+        keys and values are so small that a call of their own costs more than their weights (k:
+        128 x 896 for the 0.5B Qwen). Each output row keeps its own channel's scale, so the results
+        are the same. The fused weights are a copy; the layers keep their own."""
+        weights, biases = zip(*(m.weight_and_bias() for m in layers))
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
+        return cls.of(torch.cat([w.int_repr() for w in weights]), torch.cat([w.q_per_channel_scales() for w in weights]),
+                      torch.cat([w.q_per_channel_zero_points() for w in weights]), bias, layers[0].reduce_range)  # fmt: skip
+
+    @classmethod
+    def of(cls, ints: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool) -> Int8Linear:
+        """The layer of integer weights `ints` [out, in] at per-output-row `scales`."""
+        packed = torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(ints, scales, zero_points, 0), bias)
+        return cls(packed, reduce_range)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_and_bias()[0].shape[0]
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The quantized weight (per channel) and the fp32 bias."""
