@@ -63,28 +63,43 @@ class QuantizedLinear(torch.nn.Module):
         """One layer computing `layers`' products of one input side by side (queries, keys and
         values, say): one kernel call where there were several, and the same bits, as each output
         row is computed alone. The layers keep working, their buffers now views of the fused
-        layer's (no second copy of the weights)."""
+        layer's; fused again (another engine on the same model), they give those views' tensors
+        back, so the weights are never held twice."""
         first = layers[0]
         if any((m.format, m.group_shift, m.in_features) != (first.format, first.group_shift, first.in_features) for m in layers):
             raise ValueError("only layers of one format, group and input size fuse")
         if any((m.bias is None) != (first.bias is None) for m in layers):
             raise ValueError("layers with and without a bias do not fuse")
-        tensors = {name: torch.cat([getattr(m, name) for m in layers]) for name in ("values", "scale", "offset") if getattr(first, name) is not None}
+        names = [name for name in ("values", "scale", "offset") if getattr(first, name) is not None]
+        tensors = {name: _fused_already(layers, name) for name in names}
+        tensors = {name: torch.cat([getattr(m, name) for m in layers]) if t is None else t for name, t in tensors.items()}
         out_features = sum(m.out_features for m in layers)
         weight = QuantizedWeight(first.format, tensors["values"], tensors["scale"], tensors.get("offset"), first.group_shift, (out_features, first.in_features))
         fused = cls(weight, None if first.bias is None else torch.cat([m.bias for m in layers]))
         start = 0
         for m in layers:
             rows = slice(start, start + m.out_features)
-            for name in tensors:
+            for name in names:
                 setattr(m, name, getattr(fused, name)[rows])
-            if m.bias is not None:
-                m.bias = torch.nn.Parameter(fused.bias[rows], requires_grad=False)
             start = rows.stop
         return fused
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, group={1 << self.group_shift}"
+
+
+def _fused_already(layers: Sequence[QuantizedLinear], name: str) -> torch.Tensor | None:
+    """The tensor whose consecutive rows the layers' `name` buffers are (an earlier `fused`), or None."""
+    base = getattr(layers[0], name)._base
+    if base is None or base.shape[0] != sum(m.out_features for m in layers):
+        return None
+    start = base.storage_offset()
+    for m in layers:
+        part = getattr(m, name)
+        if part._base is not base or part.storage_offset() != start:
+            return None
+        start += part.numel()
+    return base
 
 
 def _library(x: torch.Tensor, fmt: str):

@@ -115,6 +115,9 @@ def test_fused_layers_give_each_layers_product_and_share_its_weights(method):
     assert all(torch.equal(got, want) for got, want in zip(fused(x).split([64, 32, 32], dim=-1), alone))
     assert all(torch.equal(p(x), want) for p, want in zip(parts, alone))  # they read the fused weights now
     assert parts[1].values.data_ptr() == fused.values[64:].data_ptr()
+    again = QuantizedLinear.fused(parts)  # another engine on the same layers: the same weights, no copy
+    assert again.values.data_ptr() == fused.values.data_ptr() and again.scale.data_ptr() == fused.scale.data_ptr()
+    assert all(torch.equal(got, want) for got, want in zip(again(x).split([64, 32, 32], dim=-1), alone))
     other = QuantizedLinear(quantize(torch.nn.Linear(256, 8).weight, "int4" if method == "int8" else "int8"), None)
     with pytest.raises(ValueError, match="one format"):
         QuantizedLinear.fused([parts[0], other])
