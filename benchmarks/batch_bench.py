@@ -16,6 +16,7 @@ one-at-a-time answer (greedy).
     python3 benchmarks/batch_bench.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16 --n 8 \\
         --out benchmarks/results/batching_qwen15b
     python3 benchmarks/batch_bench.py --model smollm2-135m-instruct --dtype float32 --n 8 --clients 1 2 4 8
+    python3 benchmarks/batch_bench.py --dtype float32 --quantization int8 --n 4 --clients 1 4 --workloads mt-bench
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def items(workload: str, n: int) -> list[dict]:
     return [{"messages": [{"role": "user", "content": t}], "documents": t.split("\n")[:-1] if workload == "rag" else None} for t in texts]
 
 
-def build(model: str, dtype: torch.dtype, max_batch: int) -> dict[str, SpeculativeEngine]:
-    base = SpeculativeEngine.from_pretrained(model, dtype=dtype, device="cpu", max_batch=1)
+def build(model: str, dtype: torch.dtype, max_batch: int, quantization: str | None = None) -> dict[str, SpeculativeEngine]:
+    base = SpeculativeEngine.from_pretrained(model, dtype=dtype, device="cpu", max_batch=1, quantization=quantization)
     m, tokenizer = base.model, base.tokenizer
     engines = {
         "speculative batched": SpeculativeEngine(m, tokenizer, NGramTrieDrafter(), name=model, max_batch=max_batch),
@@ -112,11 +113,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None, help="the target's linear layers (from_pretrained's option)")
     parser.add_argument("--out", type=Path, default=None, help="write NAME.json and NAME.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engines = build(args.model, getattr(torch, args.dtype), args.max_batch)
-    title = (f"{args.model}, {args.dtype}, {device_name(torch.device('cpu'))}, {args.threads} threads, "
+    engines = build(args.model, getattr(torch, args.dtype), args.max_batch, args.quantization)
+    title = (f"{args.model}{', ' + args.quantization if args.quantization else ''}, {args.dtype}, {device_name(torch.device('cpu'))}, {args.threads} threads, "
              f"{args.n} items per workload, {args.max_new_tokens} new tokens at most")
     table = [title, "",
              "| workload | clients | engine | tokens/s | x one at a time | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s | largest batch | identical |",
