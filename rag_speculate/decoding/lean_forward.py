@@ -105,14 +105,18 @@ class LeanForward:
         return self.head(self._norm(h[:, -rows:]))
 
     def _products(self, *layers: torch.nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """The layers' products of one input, as a tuple: one product where the layers fuse (a
-        `fused` class method: theirs, e.g. `QuantizedLinear`'s), else one call each (a dense layer
+        """The layers' products of one input, as a tuple: one product where the layers fuse (their
+        class's `fused`, e.g. `QuantizedLinear`'s, takes them), else one call each (a dense layer
         through the kernels' linear)."""
         kind = type(layers[0])
         if len(layers) > 1 and all(type(m) is kind for m in layers) and hasattr(kind, "fused"):
-            fused = kind.fused(layers)
-            sizes = [m.out_features for m in layers]
-            return lambda x: fused(x).split(sizes, dim=-1)
+            try:
+                fused = kind.fused(layers)
+            except ValueError:  # layers that do not fuse (a GGUF file's q4 beside q8, say): one call each
+                pass
+            else:
+                sizes = [m.out_features for m in layers]
+                return lambda x: fused(x).split(sizes, dim=-1)
         products = [self._product(m) for m in layers]
         return lambda x: tuple(p(x) for p in products)
 

@@ -87,6 +87,27 @@ def test_a_quantized_models_logits_are_its_own_bit_for_bit(method, dtype):
     assert len(fused(torch.zeros(1, 1, attention.q_proj.in_features, dtype=dtype))) == 3
 
 
+@needs_cpu
+def test_layers_of_other_formats_run_one_call_each_with_the_same_bits():
+    # As a GGUF file holds them: q and k in 4 bits, v in int8 (Q4_K beside Q6_K).
+    from rag_speculate.quantization.formats import quantize
+    from rag_speculate.quantization.layer import QuantizedLinear, quantize_model
+
+    model = tiny_model("qwen2", seed=3)
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            names[name] = quantize(module.weight, "int8" if name.endswith("v_proj") else "int4")
+    quantize_model(model, "gguf", names)
+    kernels, context = _kernels(model, "kernels")
+    lean, reason = lean_forward(model, kernels, exact=True, context=context)
+    assert lean is not None, reason
+    assert isinstance(model.model.layers[0].self_attn.v_proj, QuantizedLinear)
+    with torch.inference_mode():
+        want, got = _forwards(model, _own(model, context)), _forwards(model, lean)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(got, want))
+
+
 @pytest.mark.parametrize("through", ["torch", pytest.param("kernels", marks=needs_cpu)])
 def test_a_batch_through_the_lean_forward_gets_the_models_own_logits(through):
     model = tiny_model("qwen2", seed=2)
