@@ -51,10 +51,9 @@ def _own(model, context):
     return forward
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("through", ["torch", pytest.param("kernels", marks=needs_cpu)])
-def test_logits_are_the_models_own_bit_for_bit(arch, through):
-    model = tiny_model(arch, seed=1)
+def _lean_gives_the_models_own_bits(model, through: str):
+    """The lean forward the engine would build for `model`, having checked its logits on
+    `_forwards` against the model's own, bit for bit."""
     kernels, context = _kernels(model, through)
     lean, reason = lean_forward(model, kernels, exact=True, context=context)
     assert lean is not None, reason
@@ -62,6 +61,13 @@ def test_logits_are_the_models_own_bit_for_bit(arch, through):
         want, got = _forwards(model, _own(model, context)), _forwards(model, lean)
     for ours, theirs in zip(got, want):
         assert torch.equal(ours, theirs)
+    return lean
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("through", ["torch", pytest.param("kernels", marks=needs_cpu)])
+def test_logits_are_the_models_own_bit_for_bit(arch, through):
+    _lean_gives_the_models_own_bits(tiny_model(arch, seed=1), through)
 
 
 @needs_cpu
@@ -72,13 +78,7 @@ def test_a_quantized_models_logits_are_its_own_bit_for_bit(method, dtype):
 
     model = tiny_model("qwen2", seed=1, dtype=dtype)
     quantize_model(model, method)
-    kernels, context = _kernels(model, "kernels")
-    lean, reason = lean_forward(model, kernels, exact=True, context=context)
-    assert lean is not None, reason
-    with torch.inference_mode():
-        want, got = _forwards(model, _own(model, context)), _forwards(model, lean)
-    for ours, theirs in zip(got, want):
-        assert torch.equal(ours, theirs)
+    lean = _lean_gives_the_models_own_bits(model, "kernels")
     # Queries, keys and values are one product now; the model's own layers read the same weights.
     attention = model.model.layers[0].self_attn
     fused = lean._layers[0][1]
@@ -99,13 +99,8 @@ def test_layers_of_other_formats_run_one_call_each_with_the_same_bits():
         if isinstance(module, torch.nn.Linear):
             names[name] = quantize(module.weight, "int8" if name.endswith("v_proj") else "int4")
     quantize_model(model, "gguf", names)
-    kernels, context = _kernels(model, "kernels")
-    lean, reason = lean_forward(model, kernels, exact=True, context=context)
-    assert lean is not None, reason
     assert isinstance(model.model.layers[0].self_attn.v_proj, QuantizedLinear)
-    with torch.inference_mode():
-        want, got = _forwards(model, _own(model, context)), _forwards(model, lean)
-    assert all(torch.equal(ours, theirs) for ours, theirs in zip(got, want))
+    _lean_gives_the_models_own_bits(model, "kernels")
 
 
 @pytest.mark.parametrize("through", ["torch", pytest.param("kernels", marks=needs_cpu)])
