@@ -57,10 +57,12 @@ class Int8Linear(torch.nn.Module):
 
     @classmethod
     def fused(cls, layers: Sequence[Int8Linear]) -> Int8Linear:
-        """One layer computing `layers`' products of one input side by side: in a small draft model,
-        keys and values are so small that a call of their own costs more than their weights (k:
-        128 x 896 for the 0.5B Qwen). Each output row keeps its own channel's scale, so the results
-        are the same. The fused weights are a copy; the layers keep their own."""
+        """One layer computing `layers`' products of one input side by side (the lean forward's
+        queries, keys and values, and gate and up): in a small draft model keys and values are so
+        small that a call of their own costs more than their weights (k: 128 x 896 for the 0.5B
+        Qwen). Each output row keeps its own channel's scale, so the results are the same. fbgemm's
+        packed weights cannot be shared as views, so the fused weights are a copy: the draft's
+        projections are held twice while its lean forward lives, the price of its fewer calls."""
         weights, biases = zip(*(m.weight_and_bias() for m in layers))
         bias = None
         if any(b is not None for b in biases):
