@@ -53,6 +53,7 @@ from rag_speculate import Datastore, DatastoreError, GenerationStats, NGramTrieD
 from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.decoding.forward import ModelForward, TreeForward
 from rag_speculate.decoding.kv_cache import keep_cache_entries, make_cache
+from rag_speculate.decoding.lean_forward import lean_forward
 from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.models.gguf_file import dense_gguf
 
@@ -63,7 +64,7 @@ SMOLLM = "smollm2-135m-instruct"
 
 TESTS = ["tests/engine/test_lossless.py", "tests/decoding/test_sampling.py", "tests/decoding/test_stop_and_stream.py",
          "tests/drafters/test_ouroboros.py", "tests/drafters/test_combined.py", "tests/engine/test_portable.py",
-         "tests/decoding/test_tree.py",
+         "tests/decoding/test_tree.py", "tests/decoding/test_lean_forward.py",
          # Models quantized through transformers (torchao, bitsandbytes: each skips where it is not installed).
          "tests/quantization/test_layer.py::test_a_model_quantized_through_transformers_works_unchanged",
          "tests/quantization/test_layer.py::test_llm_int8_outlier_columns_are_named_as_rows_that_interact"]
@@ -109,7 +110,7 @@ def run_tests(device: torch.device, quick: bool, out: Path) -> dict:
     selection = QUICK_TESTS if quick else TESTS
     # Tiny models are launch-bound on a GPU: worker processes (pytest-xdist, where installed) share it.
     workers = ["-n", str(min(8, os.cpu_count() or 1))] if device.type == "cuda" and importlib.util.find_spec("xdist") else []
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *selection]
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *workers, *selection]
     # tests/conftest.py builds its tiny models on this device; the CPU kernels' tests skip elsewhere.
     env = os.environ | {"RAG_SPECULATE_TEST_DEVICE": str(device), "HF_HUB_OFFLINE": "1"}
     log(f"tests: {shlex.join(command[1:])} on {device}")
@@ -179,26 +180,32 @@ def forward_costs(model: PreTrainedModel, contexts: list[int], sizes: tuple[int,
 
     "tree" feeds a chain-shaped DraftTree with its additive 4D mask and depth positions, as the engine
     verifies; "chain" the same tokens under the model's own causal mask, as plain decoding (q = 1)
-    and chain verification do. torch's own kernels on every device (the CPU kernels are not used).
+    and chain verification do. Both through the model's own forward and, where its probe admits
+    it (as the engine decides), through the lean forward ("lean chain", "lean tree"). torch's own
+    kernels on every device (the CPU kernels are not used).
     """
-    forward = TreeForward(model)
+    forwards = {"": TreeForward(model)}
+    lean, _ = lean_forward(model, exact=True)
+    if lean is not None:
+        forwards["lean "] = TreeForward(model, forward=lean)
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(max(contexts) + max(sizes))]
     out: dict = {}
     for context in contexts:
         cache = make_cache(model)
-        forward.prefill(cache, ids[:context])
+        forwards[""].prefill(cache, ids[:context])
         out[context] = {}
-        for mode in ("chain", "tree"):
-            step = forward.tree if mode == "tree" else forward.chain
-            out[context][mode] = {}
-            for q in sizes:
-                draft = DraftTree.chain(ids[context : context + q - 1])
-                # The fed entries are dropped after each forward, so every one sees the same context.
-                out[context][mode][q] = median_seconds(
-                    lambda: step(cache, ids[context], draft), lambda: keep_cache_entries(cache, q, []),
-                    model.device, warmup, repeats,
-                )
+        for prefix, forward in forwards.items():
+            for mode in ("chain", "tree"):
+                step = forward.tree if mode == "tree" else forward.chain
+                times = out[context][prefix + mode] = {}
+                for q in sizes:
+                    draft = DraftTree.chain(ids[context : context + q - 1])
+                    # The fed entries are dropped after each forward, so every one sees the same context.
+                    times[q] = median_seconds(
+                        lambda: step(cache, ids[context], draft), lambda: keep_cache_entries(cache, q, []),
+                        model.device, warmup, repeats,
+                    )
         del cache
     return out
 
@@ -206,15 +213,15 @@ def forward_costs(model: PreTrainedModel, contexts: list[int], sizes: tuple[int,
 def forward_cost_markdown(costs: dict, dtype: torch.dtype, device_name: str) -> str:
     lines = [f"# Target forward cost against tokens fed ({dtype_name(dtype)}, {device_name}, random weights)", "",
              "t(q): median seconds of one forward over q tokens after the context; ratios are to t(1) of the plain "
-             "causal forward, one plain decoding step. tree: chain-shaped draft with the engine's 4D additive mask.", ""]
+             "causal forward, one plain decoding step. tree: chain-shaped draft with the engine's 4D additive mask; "
+             "lean: the lean forward the engine runs where it gives the model's own logits bit for bit.", ""]
     for arch, by_context in costs.items():
         for context, modes in by_context.items():
             base = modes["chain"][1]
-            lines += [f"## {arch}, context {context}", "", "| q | chain s | chain t(q)/t(1) | tree s | tree t(q)/t(1) |",
-                      "|---:|---:|---:|---:|---:|"]
+            lines += [f"## {arch}, context {context}", "", "| q | " + " | ".join(f"{m} s | {m} t(q)/t(1)" for m in modes) + " |",
+                      "|---:|" + "---:|---:|" * len(modes)]
             for q in modes["chain"]:
-                chain, tree = modes["chain"][q], modes["tree"][q]
-                lines.append(f"| {q} | {chain:.5f} | {chain / base:.2f} | {tree:.5f} | {tree / base:.2f} |")
+                lines.append(f"| {q} | " + " | ".join(f"{t[q]:.5f} | {t[q] / base:.2f}" for t in modes.values()) + " |")
             lines.append("")
     return "\n".join(lines)
 
@@ -560,7 +567,8 @@ def section_real_weights(check: Check) -> None:
         engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
         items = load_items(engine, args.data, CATEGORIES, n)
         log(f"real weights: {source}, {len(items)} items, {max_new} new tokens at most")
-        notes: list[str] = []
+        skipped = engine.lean_forward_skipped
+        notes = [f"the engine's target forward: the model's own ({skipped})" if skipped else "the engine's target forward: lean"]
         runs, trie_steps = real_weight_speed(engine, items, max_new, notes)
         section.update(status="ran", model=source, max_new_tokens=max_new, notes=notes, runs=runs, table=speed_table(runs))
         check.results.setdefault("step_overhead", {})["SmolLM2-135M, trie, dev items"] = trie_steps.as_dict()
@@ -587,6 +595,7 @@ def summary(check: Check) -> list[str]:
         lines.append(f"tests: skipped ({tests['note']})")
     for arch, by_context in r.get("forward_cost", {}).items():
         parts = [f"ctx {c}: tree {m['tree'][64] / m['chain'][1]:.2f}, chain {m['chain'][64] / m['chain'][1]:.2f}"
+                 + (f", lean t(1) {m['lean chain'][1] / m['chain'][1]:.2f}" if "lean chain" in m else ", no lean forward")
                  for c, m in by_context.items()]
         lines.append(f"t(64)/t(1) {arch}: " + "; ".join(parts))
     for name, s in r.get("step_overhead", {}).items():
@@ -596,7 +605,7 @@ def summary(check: Check) -> list[str]:
     if real.get("status") == "ran":
         lines.append("real weights (decode speed-up vs hf-greedy, outputs identical to its): " + ", ".join(
             f"{m} {g['all']['speedup']:.2f}x {g['all']['identical']}/{g['all']['items']}" for m, g in real["table"].items()))
-        lines += [f"  {note}" for note in real["notes"] if "skipped" in note]
+        lines += [f"  {note}" for note in real["notes"] if "skipped" in note or "forward" in note]
     elif real:
         lines.append(f"real weights: {real.get('note', 'failed')}")
     lines += [f"ERROR in {e}" for e in check.errors]

@@ -3,9 +3,11 @@
 On a CPU, a one-token forward through transformers spends a large share of its time in Python
 around many small operators (a module call per layer, attention and MLP; the attention dispatch;
 mask and cache bookkeeping; the kernel mode's dispatch of every operator) rather than in the
-linear layers. This forward calls the model's own embedding, rotary, norm and activation modules
-and its linear layers, in the order the model's forward does, with the same arguments: each
-operator gets the same inputs, so it returns the same bits. Two things it does otherwise, neither
+linear layers. This forward calls the model's own embedding, rotary, norm and activation modules,
+its mask and attention functions and its linear layers, in the order the model's forward does,
+with the same arguments: each operator gets the same inputs, so it returns the same bits (torch
+picks an attention kernel by the mask and the key/value layout, so on CUDA even an equivalent
+call of its own changed them). Two things it does otherwise, neither
 changing a value: the products that share an input (queries, keys and values; gate and up) run as
 one where the layers can fuse (`fused`, each output row still computed alone), and the CPU
 kernels, when given, are called directly rather than through their mode.
@@ -27,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kv_cache import cache_keyword, sliding_window
 from .tree import DraftTree, tree_attention_mask
@@ -36,11 +39,14 @@ _PROBE_TOLERANCE = 1e-3
 
 
 class Kernels(NamedTuple):
-    """The functions a forward's dense products and attention run through: torch's, or the CPU
-    kernels' (`cpu.kernels`, which fall back to torch's where they do not serve the arguments)."""
+    """The functions a forward's dense products and attention run through: torch's and the model's
+    own attention function, or the CPU kernels' (`cpu.kernels`, which fall back to torch's where
+    they do not serve the arguments; their attention takes `F.scaled_dot_product_attention`'s)."""
 
     linear: Callable[..., torch.Tensor] = F.linear
-    attention: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
+    # None: the function the model's attention layers call (transformers' for its attention
+    # implementation), which picks torch's kernel by device and mask as the model's forward does.
+    attention: Callable[..., torch.Tensor] | None = None
 
 
 TORCH = Kernels()
@@ -51,16 +57,20 @@ class LeanForward:
     from its own modules; takes the arguments a model's forward takes, the KV cache as `cache`."""
 
     def __init__(self, model: PreTrainedModel, kernels: Kernels = TORCH):
-        inner = model.model
+        inner, self._config = model.model, model.config
+        self._causal_mask = sys.modules[type(inner).__module__].create_causal_mask
         self._embed, self._rotary, self._norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self._kernels = kernels
         attention = inner.layers[0].self_attn
-        # The model's own function, so queries and keys turn exactly as in its attention.
-        self._apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        # The model's own functions, so queries and keys turn, and attend, exactly as in its attention.
+        module = sys.modules[type(attention).__module__]
+        self._apply_rotary = module.apply_rotary_pos_emb
+        own = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, module.eager_attention_forward)
+        self._attend = own if kernels.attention is None else self._kernel_attention
         self._layers = [
             (
                 layer.input_layernorm, self._products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                self._product(layer.self_attn.o_proj), layer.post_attention_layernorm,
+                layer.self_attn, self._product(layer.self_attn.o_proj), layer.post_attention_layernorm,
                 self._products(layer.mlp.gate_proj, layer.mlp.up_proj), self._product(layer.mlp.down_proj), layer.mlp.act_fn,
             )
             for layer in inner.layers
@@ -85,24 +95,33 @@ class LeanForward:
         past = cache.get_seq_length()
         h = self._embed(input_ids)
         if position_ids is None:
-            position_ids = torch.arange(past, past + q, device=h.device)[None].expand(batch, q)
-        # A prefill attends causally; a chain after cached tokens needs the mask to say so.
-        causal = attention_mask is None and q > 1 and past == 0
-        if attention_mask is None and q > 1 and past:
-            attention_mask = tree_attention_mask(DraftTree.chain([0] * (q - 1)), past, h.dtype, h.device)
+            position_ids = torch.arange(past, past + q, device=h.device)[None]
+        # The model's own mask (a 4D one, as the engine's trees have, passes as it is): its kind and
+        # dtype decide which of torch's attention kernels runs, and so the bits.
+        attention_mask = self._causal_mask(config=self._config, inputs_embeds=h, attention_mask=attention_mask,
+                                           cache=cache, position_ids=position_ids)  # fmt: skip
         cos, sin = self._rotary(h, position_ids)
-        heads, kv_heads, dims = self._heads, self._kv_heads, self._head_dim
-        for i, (norm1, qkv, o_proj, norm2, gate_up, down, act) in enumerate(self._layers):
+        dims = self._head_dim
+        for i, (norm1, qkv, attention, o_proj, norm2, gate_up, down, act) in enumerate(self._layers):
             query, key, value = (t.view(batch, q, -1, dims).transpose(1, 2) for t in qkv(norm1(h)))
             query, key = self._apply_rotary(query, key, cos, sin)
             key, value = cache.update(key, value, i)
-            mixed = self._kernels.attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
-                                            scale=self._scaling, enable_gqa=heads != kv_heads)  # fmt: skip
-            h = h + o_proj(mixed.transpose(1, 2).reshape(batch, q, -1))
+            mixed, _ = self._attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=self._scaling)
+            h = h + o_proj(mixed.reshape(batch, q, -1))
             gate, up = gate_up(norm2(h))
             h = h + down(act(gate) * up)
         rows = logits_to_keep or q
         return self.head(self._norm(h[:, -rows:]))
+
+    def _kernel_attention(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, dropout: float, scaling: float,
+    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        """The kernels' attention in the shape of transformers' attention functions: [batch, q, heads, dims] out."""
+        causal = attention_mask is None and query.shape[2] > 1
+        mixed = self._kernels.attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
+                                        scale=scaling, enable_gqa=self._heads != self._kv_heads)  # fmt: skip
+        return mixed.transpose(1, 2), None
 
     def _products(self, *layers: torch.nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
         """The layers' products of one input, as a tuple: one product where the layers fuse (their
@@ -170,14 +189,17 @@ def _unsupported(model: PreTrainedModel) -> str:
     parts = ("embed_tokens", "rotary_emb", "norm", "layers")
     if inner is None or not hasattr(model, "lm_head") or not all(hasattr(inner, p) for p in parts):
         return f"{type(model).__name__} is not a Llama-family decoder (model.embed_tokens, layers, norm, rotary_emb, lm_head)"
+    if not hasattr(sys.modules[type(inner).__module__], "create_causal_mask"):
+        return "its model's module has no create_causal_mask"
     for layer in inner.layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not all(hasattr(attention, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
             return "its attention layers are not Llama's (q_proj, k_proj, v_proj, o_proj)"
         if any(hasattr(attention, p) for p in ("q_norm", "k_norm", "sinks")) or getattr(attention, "sliding_window", None):
             return "its attention normalises queries and keys, has sinks or a sliding window"
-        if not hasattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb"):
-            return "its attention's module has no apply_rotary_pos_emb"
+        functions = ("apply_rotary_pos_emb", "eager_attention_forward")
+        if not all(hasattr(sys.modules[type(attention).__module__], f) for f in functions):
+            return "its attention's module has no apply_rotary_pos_emb or eager_attention_forward"
         if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return "its MLP layers are not gated (gate_proj, up_proj, down_proj)"
         norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
