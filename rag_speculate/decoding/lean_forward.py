@@ -21,6 +21,7 @@ windows, normalised queries and keys, no gated MLP) keep their own forward.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -67,6 +68,9 @@ class LeanForward:
         self._apply_rotary = module.apply_rotary_pos_emb
         own = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, module.eager_attention_forward)
         self._attend = own if kernels.attention is None else self._kernel_attention
+        # The CPU kernels compute each row as if alone, so a row's result cannot depend on which
+        # others are computed beside it; torch's may pick another kernel for fewer rows.
+        self._rows_alone = kernels.attention is not None
         self._layers = [
             (
                 layer.input_layernorm, self._products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
@@ -101,16 +105,20 @@ class LeanForward:
         attention_mask = self._causal_mask(config=self._config, inputs_embeds=h, attention_mask=attention_mask,
                                            cache=cache, position_ids=position_ids)  # fmt: skip
         cos, sin = self._rotary(h, position_ids)
-        dims = self._head_dim
+        dims, rows, last = self._head_dim, logits_to_keep or q, len(self._layers) - 1
         for i, (norm1, qkv, attention, o_proj, norm2, gate_up, down, act) in enumerate(self._layers):
             query, key, value = (t.view(batch, q, -1, dims).transpose(1, 2) for t in qkv(norm1(h)))
             query, key = self._apply_rotary(query, key, cos, sin)
             key, value = cache.update(key, value, i)
+            if i == last and rows < q and self._rows_alone and ((attention_mask is None and rows == 1) or torch.is_tensor(attention_mask)):
+                # Past the last layer's keys and values, only the rows whose logits are kept count
+                # (a prefill's last): the rest of that layer is skipped, as llama.cpp does.
+                query, h = query[:, :, -rows:], h[:, -rows:]
+                attention_mask = None if attention_mask is None else attention_mask[..., -rows:, :]
             mixed, _ = self._attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=self._scaling)
-            h = h + o_proj(mixed.reshape(batch, q, -1))
+            h = h + o_proj(mixed.reshape(batch, query.shape[2], -1))
             gate, up = gate_up(norm2(h))
             h = h + down(act(gate) * up)
-        rows = logits_to_keep or q
         return self.head(self._norm(h[:, -rows:]))
 
     def _kernel_attention(
@@ -168,7 +176,9 @@ def lean_forward(
             # A prefill, a chain and a tree on top of the cache: the shapes decoding runs. In the
             # same chunks for both, as an int8 draft quantizes each forward's activations together.
             ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
-            chunks = [{"input_ids": ids[:, :4]}, {"input_ids": ids[:, 4:]},
+            # The prefill keeps its last row's logits, as the engine's prefills do.
+            keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+            chunks = [{"input_ids": ids[:, :4], **keep}, {"input_ids": ids[:, 4:]},
                       {"input_ids": torch.tensor([[4 % vocab, *tree.tokens]], device=model.device),
                        "attention_mask": tree_attention_mask(tree, 7, next(model.parameters()).dtype, model.device)}]  # fmt: skip
             got = [lean(cache=ours, **chunk) for chunk in chunks]

@@ -29,11 +29,12 @@ def _kernels(model, through: str):
 
 
 def _forwards(model, forward) -> list[torch.Tensor]:
-    """Logits of a prefill, a one-token step, a chain and a tree-masked step on top, through `forward`."""
+    """Logits of a prefill (its last row's, as the engine keeps), a one-token step, a chain and a
+    tree-masked step on top, through `forward`."""
     cache = DynamicCache(config=model.config)
     tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 2])
     return [
-        forward(input_ids=torch.tensor([[(5 * i + 2) % VOCAB for i in range(10)]], device=DEVICE), cache=cache),
+        forward(input_ids=torch.tensor([[(5 * i + 2) % VOCAB for i in range(10)]], device=DEVICE), cache=cache, logits_to_keep=1),
         forward(input_ids=torch.tensor([[9]], device=DEVICE), cache=cache),
         forward(input_ids=torch.tensor([[3, 11, 12]], device=DEVICE), cache=cache),
         forward(
@@ -85,6 +86,22 @@ def test_a_quantized_models_logits_are_its_own_bit_for_bit(method, dtype):
     storage = attention.q_proj.values.untyped_storage().data_ptr()
     assert isinstance(attention.q_proj, QuantizedLinear) and attention.k_proj.values.untyped_storage().data_ptr() == storage
     assert len(fused(torch.zeros(1, 1, attention.q_proj.in_features, dtype=dtype))) == 3
+
+
+@needs_cpu
+def test_a_prefill_through_the_kernels_runs_its_last_layer_for_the_kept_row_only():
+    from rag_speculate.quantization.layer import quantize_model
+
+    model = tiny_model("llama", seed=4)
+    quantize_model(model, "int8")
+    lean = _lean_gives_the_models_own_bits(model, "kernels")  # the rows skipped change no logit
+    rows = {}
+    for i in (0, -1):
+        model.model.layers[i].mlp.down_proj.register_forward_hook(lambda m, args, out, i=i: rows.setdefault(i, args[0].shape[1]))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        lean(torch.tensor([[3, 4, 5, 6, 7, 8]], device=DEVICE), cache, logits_to_keep=1)
+    assert rows == {0: 6, -1: 1} and cache.get_seq_length() == 6  # every row's keys and values are kept
 
 
 @needs_cpu
