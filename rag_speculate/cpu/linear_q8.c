@@ -18,7 +18,10 @@
  * outputs are computed together, never how one is summed.
  *
  * Few rows (decoding, a draft tree) are bound by reading the weights, a byte each, read once for all
- * rows of a tile; a prefill keeps a block of weights in L2 while tiles of rows pass it, as linear.c.
+ * rows of a tile. Many rows (a prefill) are bound by the integer products: there x and a block of
+ * weights at a time are widened to int16 (`tile16`), whose pair products need neither the sign trick
+ * nor a second multiply (two multiplies per 32 values against three, on the ports AVX2's integer
+ * multiplies share); each lane sums the same integers as the int8 path, so every output is the same.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -30,12 +33,16 @@
 #define X_ROWS 3     /* and x's values and scale fill AVX2's 16 registers */
 #define BLOCK_M 192  /* rows of x per cache block */
 #define BLOCK_N 64   /* weight rows per cache block, a multiple of W_ROWS */
-#define CHUNK_K 1024 /* values of k per chunk, a multiple of every activation block */
-#define FEW_ROWS 64  /* rows of x up to which k is not chunked */
+#define FEW_ROWS 64  /* rows of x up to which the int8 tiles run, over the whole of k */
+#define X16_ROWS 4   /* rows of x per int16 tile: 2 x 4 sums, x's two registers and the products' */
+#define BLOCK_N16 8  /* weight rows widened at a time, a multiple of W_ROWS */
+#define CHUNK16 2048 /* values of k widened at a time, a multiple of every activation block */
 
-/* Rows of x quantized: their int8 values, and per block of `units` steps of each row the scale. */
+/* Rows of x quantized: their int8 values (few rows) or the same values widened to int16 (`widen`,
+ * many rows), and per block of `units` steps of each row the scale. */
 typedef struct {
     int8_t *q;
+    int16_t *q16;
     float *d;
     int64_t units;
 } acts;
@@ -60,9 +67,32 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Row `x` (K values) into `q` and `d`: per block of `units` steps, d = max|x| / 127 and
+/* A step's 32 int8 values as two int16 vectors whose pair products (madd) land where maddubs-then-
+ * madd puts them: the first holds values 4l, 4l+1 at pair l, the second 4l+2, 4l+3, so lane l of
+ * their two products' sum is values 4l..4l+3, the same integer as lane l of the int8 path. */
+static inline void widen(__m256i v, __m256i *a, __m256i *b) {
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7,
+                                           10, 11, 14, 15);
+    const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pairs), _MM_SHUFFLE(3, 1, 2, 0));
+    *a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(split));
+    *b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(split, 1));
+}
+
+/* A step's 32 values stored as int8 into `q`, or widened into `q16` where that is given. */
+static inline void store_step(__m256i v, int8_t *q, int16_t *q16) {
+    if (!q16) {
+        _mm256_storeu_si256((__m256i *)q, v);
+        return;
+    }
+    __m256i a, b;
+    widen(v, &a, &b);
+    _mm256_storeu_si256((__m256i *)q16, a);
+    _mm256_storeu_si256((__m256i *)(q16 + 16), b);
+}
+
+/* Row `x` (K values) into `q` (or `q16`) and `d`: per block of `units` steps, d = max|x| / 127 and
  * q = round(x * (127 / max|x|)), ties to even; an all-zero block gets d = 0 and q = 0. */
-static void quantize_row(const float *x, int8_t *q, float *d, int64_t K, int64_t units) {
+static void quantize_row(const float *x, int8_t *q, int16_t *q16, float *d, int64_t K, int64_t units) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int64_t size = units * BLOCK;
     for (int64_t b = 0; b < K / size; b++) {
@@ -82,8 +112,8 @@ static void quantize_row(const float *x, int8_t *q, float *d, int64_t K, int64_t
                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             /* Packing works within 128-bit halves: the permute puts the 32 values back in order. */
             const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-            _mm256_storeu_si256((__m256i *)(q + b * size + u * BLOCK),
-                                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            const int64_t at = b * size + u * BLOCK;
+            store_step(_mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), q ? q + at : NULL, q16 ? q16 + at : NULL);
         }
     }
 }
@@ -146,6 +176,60 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
         for (int i = 0; i < m; i++) acc[j * X_ROWS + i] = a[j][i];
 }
 
+/* The tile for many rows: as `tile`, with x and the weights widened to int16 (`widen`; the weights
+ * a block at a time, `w16`, `stride` values a row, from step b0). x's two registers are held while
+ * the weights are read from L1 as operands, so 2 x 4 sums fit the 16 registers. */
+static inline __attribute__((always_inline)) void tile16(const acts *A, int64_t i0, const int16_t *w16, int64_t stride,
+                                                         const weights *W, int64_t n, __m256 *acc, const int m, const int r,
+                                                         const int units, int64_t b0, int64_t b1) {
+    /* Every field read once into a local: stores through `acc` may alias anything. */
+    const int64_t K = W->K, KA = K / BLOCK / units;
+    const int16_t *x16[X16_ROWS], *w[W_ROWS];
+    const float *xd[X16_ROWS];
+    for (int i = 0; i < m; i++) x16[i] = A->q16 + (i0 + i) * K, xd[i] = A->d + (i0 + i) * KA;
+    for (int j = 0; j < r; j++) w[j] = w16 + j * stride - b0 * BLOCK;
+    const weights scales = *W;
+    __m256 a[W_ROWS][X16_ROWS];
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < m; i++) a[j][i] = acc[j * X16_ROWS + i];
+    for (int64_t g = b0; g < b1; g += units) {
+        __m256i sums[W_ROWS][X16_ROWS];
+#pragma GCC unroll 4
+        for (int u = 0; u < units; u++) {
+            const int64_t off = (g + u) * BLOCK;
+            for (int i = 0; i < m; i++) {
+                const __m256i xa = _mm256_loadu_si256((const __m256i *)(x16[i] + off));
+                const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16[i] + off + 16));
+                for (int j = 0; j < r; j++) {
+                    const __m256i step = _mm256_add_epi32(_mm256_madd_epi16(xa, _mm256_loadu_si256((const __m256i *)(w[j] + off))),
+                                                          _mm256_madd_epi16(xb, _mm256_loadu_si256((const __m256i *)(w[j] + off + 16))));
+                    sums[j][i] = u == 0 ? step : _mm256_add_epi32(sums[j][i], step);
+                }
+            }
+            /* Each step's sums pinned in registers: otherwise GCC regroups the unrolled steps' adds into
+             * a tree, holds every product at once and spills (half the speed). */
+            for (int j = 0; j < r; j++)
+                for (int i = 0; i < m; i++) __asm__("" : "+x"(sums[j][i]));
+        }
+        for (int j = 0; j < r; j++) {
+            const __m256 ws = weight_scale(&scales, n + j, g);
+            for (int i = 0; i < m; i++)
+                a[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(_mm256_broadcast_ss(xd[i] + g / units), ws), a[j][i]);
+        }
+    }
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < m; i++) acc[j * X16_ROWS + i] = a[j][i];
+}
+
+/* Weight rows [n0, n1), steps [b0, b1), widened into `w16`, (b1 - b0) * BLOCK values a row. */
+static void widen_weights(const weights *W, int64_t n0, int64_t n1, int64_t b0, int64_t b1, int16_t *w16) {
+    const int64_t stride = (b1 - b0) * BLOCK;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t b = b0; b < b1; b++)
+            store_step(_mm256_loadu_si256((const __m256i *)(W->q + n * W->K + b * BLOCK)), NULL,
+                       w16 + (n - n0) * stride + (b - b0) * BLOCK);
+}
+
 /* Each tile shape compiled for each number of steps a block (constants let the compiler keep the
  * sums in registers). */
 #define TILES(m, u)                                                                                                          \
@@ -162,6 +246,25 @@ TILES(1, 4) TILES(2, 4) TILES(3, 4)
 static const tile_fn FULL[][X_ROWS + 1] = {{0, full_1_1, full_2_1, full_3_1}, {0, full_1_2, full_2_2, full_3_2}, {0, full_1_4, full_2_4, full_3_4}};
 static const tile_fn SINGLE[][X_ROWS + 1] = {{0, single_1_1, single_2_1, single_3_1}, {0, single_1_2, single_2_2, single_3_2},
                                              {0, single_1_4, single_2_4, single_3_4}};
+#define TILES16(m, u)                                                                                                      \
+    static void wide_full_##m##_##u(const acts *A, int64_t i0, const int16_t *w16, int64_t stride, const weights *W, int64_t n,  \
+                                    __m256 *acc, int64_t b0, int64_t b1) {                                                  \
+        tile16(A, i0, w16, stride, W, n, acc, m, W_ROWS, u, b0, b1);                                                        \
+    }                                                                                                                        \
+    static void wide_single_##m##_##u(const acts *A, int64_t i0, const int16_t *w16, int64_t stride, const weights *W,         \
+                                      int64_t n, __m256 *acc, int64_t b0, int64_t b1) {                                     \
+        tile16(A, i0, w16, stride, W, n, acc, m, 1, u, b0, b1);                                                             \
+    }
+typedef void (*tile16_fn)(const acts *, int64_t, const int16_t *, int64_t, const weights *, int64_t, __m256 *, int64_t, int64_t);
+TILES16(1, 1) TILES16(2, 1) TILES16(3, 1) TILES16(4, 1) /* up to X16_ROWS rows */
+TILES16(1, 2) TILES16(2, 2) TILES16(3, 2) TILES16(4, 2)
+TILES16(1, 4) TILES16(2, 4) TILES16(3, 4) TILES16(4, 4)
+static const tile16_fn WIDE_FULL[][X16_ROWS + 1] = {{0, wide_full_1_1, wide_full_2_1, wide_full_3_1, wide_full_4_1},
+                                                    {0, wide_full_1_2, wide_full_2_2, wide_full_3_2, wide_full_4_2},
+                                                    {0, wide_full_1_4, wide_full_2_4, wide_full_3_4, wide_full_4_4}};
+static const tile16_fn WIDE_SINGLE[][X16_ROWS + 1] = {{0, wide_single_1_1, wide_single_2_1, wide_single_3_1, wide_single_4_1},
+                                                      {0, wide_single_1_2, wide_single_2_2, wide_single_3_2, wide_single_4_2},
+                                                      {0, wide_single_1_4, wide_single_2_4, wide_single_3_4, wide_single_4_4}};
 
 /* One call's work, shared with the pool's parts (`pool.c`). */
 typedef struct {
@@ -178,48 +281,60 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     job *J = ctx;
     const int64_t KA = J->K / (BLOCK * J->A.units);
     for (int64_t i = J->M * part / parts; i < J->M * (part + 1) / parts; i++)
-        quantize_row(J->x + i * J->K, J->A.q + i * J->K, J->A.d + i * KA, J->K, J->A.units);
+        quantize_row(J->x + i * J->K, J->A.q ? J->A.q + i * J->K : NULL, J->A.q16 ? J->A.q16 + i * J->K : NULL, J->A.d + i * KA, J->K,
+                     J->A.units);
 }
 
-/* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for every row of x. */
+/* Part `part` of `parts`: its share of the blocks of weight rows, for every row of x. */
 static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     job *J = ctx;
     const int64_t M = J->M, N = J->N, KB = J->K / BLOCK;
-    /* Decoding and verifying (up to FEW_ROWS rows) are bound by reading the weights: one chunk, the
-     * whole of k, streams each weight row from memory once, prefetched, while every tile of rows
-     * passes it in L1. */
-    const int64_t chunk = M <= FEW_ROWS ? KB : CHUNK_K / BLOCK, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    /* Decoding and verifying (up to FEW_ROWS rows, int8) are bound by reading the weights: one chunk,
+     * the whole of k, streams each weight row from memory once, prefetched, while every tile of rows
+     * passes it in L1. A prefill (int16) widens a block of weights a chunk of k at a time, and every
+     * tile of a block of rows passes it. */
+    const int wide = J->A.q16 != NULL;
+    const int64_t rows = wide ? X16_ROWS : X_ROWS, block_n = wide ? BLOCK_N16 : BLOCK_N;
+    const int64_t chunk = wide ? CHUNK16 / BLOCK : KB, blocks = (N + block_n - 1) / block_n;
     const int shape = J->A.units == 1 ? 0 : J->A.units == 2 ? 1 : 2;
     /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
      * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
-    const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
-    __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * BLOCK_N * X_ROWS);
+    const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + rows - 1) / rows;
+    __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * block_n * rows);
+    int16_t *w16 = wide ? aligned_alloc(32, sizeof(int16_t) * BLOCK_N16 * CHUNK16) : NULL;
     for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
-        const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
+        const int64_t n_start = nb * block_n, n_end = n_start + block_n < N ? n_start + block_n : N;
         for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
             const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
-            for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * BLOCK_N * X_ROWS; t++) accs[t] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < (m_end - m_block + rows - 1) / rows * block_n * rows; t++) accs[t] = _mm256_setzero_ps();
             for (int64_t b0 = 0; b0 < KB; b0 += chunk) {
-                const int64_t b1 = b0 + chunk < KB ? b0 + chunk : KB;
-                for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                    const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                    __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
+                const int64_t b1 = b0 + chunk < KB ? b0 + chunk : KB, stride = (b1 - b0) * BLOCK;
+                if (wide) widen_weights(&J->W, n_start, n_end, b0, b1, w16);
+                for (int64_t m0 = m_block; m0 < m_end; m0 += rows) {
+                    const int m = m_end - m0 < rows ? (int)(m_end - m0) : (int)rows;
+                    __m256 *row_accs = accs + (m0 - m_block) / rows * block_n * rows;
                     for (int64_t n = n_start; n < n_end;) {
                         const int full = n + W_ROWS <= n_end;
-                        (full ? FULL : SINGLE)[shape][m](&J->A, m0, &J->W, n, row_accs + (n - n_start) * X_ROWS, b0, b1);
+                        __m256 *tile_accs = row_accs + (n - n_start) * rows;
+                        if (wide)
+                            (full ? WIDE_FULL : WIDE_SINGLE)[shape][m](&J->A, m0, w16 + (n - n_start) * stride, stride, &J->W, n,
+                                                                       tile_accs, b0, b1);
+                        else
+                            (full ? FULL : SINGLE)[shape][m](&J->A, m0, &J->W, n, tile_accs, b0, b1);
                         n += full ? W_ROWS : 1;
                     }
                 }
             }
-            for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                const __m256 *row_accs = accs + (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
+            for (int64_t m0 = m_block; m0 < m_end; m0 += rows) {
+                const int m = m_end - m0 < rows ? (int)(m_end - m0) : (int)rows;
+                const __m256 *row_accs = accs + (m0 - m_block) / rows * block_n * rows;
                 for (int64_t n = n_start; n < n_end; n++)
                     for (int i = 0; i < m; i++)
-                        J->out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * X_ROWS + i]) + (J->bias ? J->bias[n] : 0.0f);
+                        J->out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f);
             }
         }
     }
+    free(w16);
     free(accs);
 }
 
@@ -230,9 +345,14 @@ void linear_quantized(const float *x, const int8_t *q, const float *scale, const
     (void)offset;
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
-             .A = {.q = malloc(M * K), .d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
+             .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
+    if (M <= FEW_ROWS)
+        J.A.q = malloc(M * K);
+    else
+        J.A.q16 = malloc(sizeof(int16_t) * M * K);
     pool_run(quantize_part, &J, M < threads ? M : threads);
     pool_run(multiply_part, &J, threads);
     free(J.A.q);
+    free(J.A.q16);
     free(J.A.d);
 }

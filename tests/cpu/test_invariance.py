@@ -42,8 +42,19 @@ def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, dtype, isa):
+@pytest.mark.parametrize(
+    ("method", "shape", "group"),
+    [
+        ("int8", (1536, 256), None),
+        # Past 64 rows int8 weights meet x in int16 tiles: several chunks of k, weight rows off the
+        # tiles, and every group size (ours, Q8_0's, Q6_K's).
+        ("int8", (37, 4224), 128),
+        ("int8", (37, 4160), 32),
+        ("int8", (37, 4160), 16),
+        ("int4", (1536, 256), None),
+    ],
+)
+def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, shape, group, dtype, isa):
     from rag_speculate.cpu.linear import _Q8_SOURCE, _SOURCE, build_linear_q8, run_quantized
     from rag_speculate.quantization.formats import quantize
 
@@ -52,11 +63,13 @@ def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, dtype, 
     else:
         library = _built(lambda d, i: build_linear(_SOURCE, d, i, "q4"), dtype, isa)
     generator = torch.Generator().manual_seed(0)
-    weight = quantize(torch.randn(1536, 256, generator=generator), method)
-    bias = torch.randn(1536, generator=generator).to(dtype)
-    x = torch.randn(max(BESIDE) + 1, 256, generator=generator).to(dtype)
+    weight = quantize(torch.randn(*shape, generator=generator), method, group)
+    if method == "int8":
+        weight.values[::3, ::5] = -128  # as a GGUF Q8_0 file may hold
+    bias = torch.randn(shape[0], generator=generator).to(dtype)
+    x = torch.randn(max(BESIDE) + 1, shape[1], generator=generator).to(dtype)
     _same_among_others(
-        lambda rows: run_quantized(library, rows, weight.values, weight.scale, weight.offset, weight.group_shift, 1536, bias), x
+        lambda rows: run_quantized(library, rows, weight.values, weight.scale, weight.offset, weight.group_shift, shape[0], bias), x
     )
 
 
