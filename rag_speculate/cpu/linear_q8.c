@@ -137,9 +137,8 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
     __m256 a[W_ROWS][X_ROWS];
     for (int j = 0; j < r; j++)
         for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i];
-    /* Where a tile reads whole rows (a few rows of x), the next tile's r rows are the next r K bytes:
-     * fetched r x 32 bytes a step, as the hardware's prefetcher misses rows read side by side. */
-    const int whole = b0 == 0 && b1 == KB;
+    /* A tile reads whole rows (few rows of x: one chunk, all of k), so the next tile's r rows are the
+     * next r K bytes: fetched r x 32 bytes a step, as the hardware's prefetcher misses rows read side by side. */
     const int8_t *next = W->q + (n + r) * K;
     __m256i sums[W_ROWS][X_ROWS];
     for (int64_t g = b0; g < b1; g += units) {
@@ -147,7 +146,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
             /* A block's last step meets its scales; the steps before it only add up integers. */
             const int64_t b = g + u;
             const int last = u == units - 1;
-            if (whole) _mm_prefetch((const char *)(next + b * r * BLOCK), _MM_HINT_T1);
+            _mm_prefetch((const char *)(next + b * r * BLOCK), _MM_HINT_T1);
             const int8_t *w = W->q + n * K + b * BLOCK;
             __m256i wm[W_ROWS];
             __m256 ws[W_ROWS];
@@ -302,10 +301,12 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + rows - 1) / rows;
     __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * block_n * rows);
     int16_t *w16 = wide ? aligned_alloc(32, sizeof(int16_t) * BLOCK_N16 * CHUNK16) : NULL;
-    for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
-        const int64_t n_start = nb * block_n, n_end = n_start + block_n < N ? n_start + block_n : N;
-        for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
-            const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
+    /* A block of rows of x stays in the caches while every weight block passes it: streaming all of
+     * x past each weight block instead ran k = 8960's products at 0.8x. */
+    for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
+        const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
+        for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
+            const int64_t n_start = nb * block_n, n_end = n_start + block_n < N ? n_start + block_n : N;
             for (int64_t t = 0; t < (m_end - m_block + rows - 1) / rows * block_n * rows; t++) accs[t] = _mm256_setzero_ps();
             for (int64_t b0 = 0; b0 < KB; b0 += chunk) {
                 const int64_t b1 = b0 + chunk < KB ? b0 + chunk : KB, stride = (b1 - b0) * BLOCK;
