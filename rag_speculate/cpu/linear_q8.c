@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) void tile16(const acts *A, int64_t 
                 }
             }
             /* Each step's sums pinned in registers: otherwise GCC regroups the unrolled steps' adds into
-             * a tree, holds every product at once and spills (half the speed). */
+             * a tree, holds every product at once and spills them. */
             for (int j = 0; j < r; j++)
                 for (int i = 0; i < m; i++) __asm__("" : "+x"(sums[j][i]));
         }
@@ -302,7 +302,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     __m256 *accs = aligned_alloc(32, sizeof(__m256) * tiles_m * block_n * rows);
     int16_t *w16 = wide ? aligned_alloc(32, sizeof(int16_t) * BLOCK_N16 * CHUNK16) : NULL;
     /* A block of rows of x stays in the caches while every weight block passes it: streaming all of
-     * x past each weight block instead ran k = 8960's products at 0.8x. */
+     * x past each weight block instead re-reads x from memory for a long k (docs/design.md). */
     for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
         const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
         for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
