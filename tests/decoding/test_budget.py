@@ -35,6 +35,25 @@ def test_cost_model_interpolates_extrapolates_and_follows_observations():
     assert FP32_copy(17) == pytest.approx(before[17] * 1.1 * 0.9)
 
 
+
+def test_cost_curve_never_falls_so_padding_never_looks_free():
+    # One noisy timing said two tokens cost less than one: taken as it is, an undrafted row
+    # would be fed a padding token for nothing.
+    noisy = CostModel({1: 0.136, 2: 0.132, 3: 0.158})
+    assert noisy(2) == noisy(1) == pytest.approx(0.136)
+    assert batch_width([[]], noisy, 16) == 1
+    assert batch_width([[], []], noisy, 16) == 1
+    # Verifying two tokens observed faster than one was timed: one token is no dearer than that,
+    # so drafting does not look free while the engine never feeds one token alone.
+    learning = CostModel({1: 0.147, 2: 0.150, 3: 0.160})
+    learning.observe(2, 0.120)
+    assert learning(1) <= learning(2) <= learning(3)
+    assert learning(1) == pytest.approx(learning(2))
+    # And an observation above the next size raises it too.
+    learning.observe(2, 0.400)
+    assert learning(2) <= learning(3)
+
+
 def chain(rate: float) -> list[float]:
     return [rate**depth for depth in range(1, 17)]
 
