@@ -100,7 +100,7 @@ class CostModel:
             self._seconds[j] *= 1 + (1 - _COST_MEMORY) * share * (ratio - 1)
         # The curve stays non-decreasing, anchored where the observation weighs most: smaller sizes
         # cost at most that, larger ones at least. Else a size the engine stopped feeding (one
-        # token, once it drafts every step) keeps a stale higher cost, and drafting looks free.
+        # token, once it drafts every step) keeps a stale higher cost, and feeding more looks cheaper.
         anchor = max(shares, key=shares.__getitem__)
         for j in range(anchor - 1, -1, -1):
             self._seconds[j] = min(self._seconds[j], self._seconds[j + 1])

@@ -35,7 +35,6 @@ def test_cost_model_interpolates_extrapolates_and_follows_observations():
     assert FP32_copy(17) == pytest.approx(before[17] * 1.1 * 0.9)
 
 
-
 def test_cost_curve_never_falls_so_padding_never_looks_free():
     # One noisy timing said two tokens cost less than one: taken as it is, an undrafted row
     # would be fed a padding token for nothing.
@@ -44,7 +43,7 @@ def test_cost_curve_never_falls_so_padding_never_looks_free():
     assert batch_width([[]], noisy, 16) == 1
     assert batch_width([[], []], noisy, 16) == 1
     # Verifying two tokens observed faster than one was timed: one token is no dearer than that,
-    # so drafting does not look free while the engine never feeds one token alone.
+    # so a stale timing of one token cannot make two look cheaper while one is never fed alone.
     learning = CostModel({1: 0.147, 2: 0.150, 3: 0.160})
     learning.observe(2, 0.120)
     assert learning(1) <= learning(2) <= learning(3)
