@@ -14,7 +14,6 @@ evidence, and start from a more confident prior).
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -35,9 +34,8 @@ class CostModel:
 
     def __init__(self, seconds: dict[int, float], *, learn: bool = True):
         self._sizes = sorted(seconds)
-        # A forward over more tokens never costs less: a noisy timing that says so would make a
-        # padded row look free (batch_width would feed padding to an undrafted row).
-        self._seconds = list(itertools.accumulate((seconds[q] for q in self._sizes), max))
+        self._seconds = [seconds[q] for q in self._sizes]
+        self._never_falling(0)
         # learn=False pins the curve, so drafting choices do not depend on timing noise (tests).
         self.learn = learn
 
@@ -98,14 +96,19 @@ class CostModel:
             shares = {i - 1: (above - q) / (above - below), i: (q - below) / (above - below)}
         for j, share in shares.items():
             self._seconds[j] *= 1 + (1 - _COST_MEMORY) * share * (ratio - 1)
-        # The curve stays non-decreasing, anchored where the observation weighs most: smaller sizes
-        # cost at most that, larger ones at least. Else a size the engine stopped feeding (one
-        # token, once it drafts every step) keeps a stale higher cost, and feeding more looks cheaper.
-        anchor = max(shares, key=shares.__getitem__)
+        # Anchored where the observation weighs most: a size the engine stopped feeding (one token,
+        # once it drafts every step) must not keep a stale higher cost that makes feeding more look cheaper.
+        self._never_falling(max(shares, key=shares.__getitem__))
+
+    def _never_falling(self, anchor: int) -> None:
+        """Make the curve non-decreasing around the timed size `anchor`: smaller sizes cost at most
+        what it costs, larger ones at least. A forward over more tokens never costs less; a noisy
+        timing that says so makes a padded row look free (`batch_width` would pad an undrafted row)."""
+        seconds = self._seconds
         for j in range(anchor - 1, -1, -1):
-            self._seconds[j] = min(self._seconds[j], self._seconds[j + 1])
-        for j in range(anchor + 1, len(sizes)):
-            self._seconds[j] = max(self._seconds[j], self._seconds[j - 1])
+            seconds[j] = min(seconds[j], seconds[j + 1])
+        for j in range(anchor + 1, len(seconds)):
+            seconds[j] = max(seconds[j], seconds[j - 1])
 
 
 def best_prefix(scores: list[float], cost: CostModel) -> int:
