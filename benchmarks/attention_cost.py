@@ -1,11 +1,12 @@
-"""Microseconds per layer of bf16 attention over a few query rows, torch's kernel against ours.
+"""Microseconds per layer of attention over a few query rows, torch's kernel against ours.
 
 Decoding attends 1 query row to the cache, verification 2-17 rows under a draft tree's mask; this
 times `F.scaled_dot_product_attention` as transformers calls it (grouped key/value heads, a mask
-from 2 rows on) against `small_attention` (rag_speculate/cpu/attention.py), calls interleaved so machine
+from 2 rows on) against `attention` (rag_speculate/cpu/attention.py), calls interleaved so machine
 noise hits both alike, each round over the keys and values of `--layers`
 layers, and reports each one's largest error against fp64 attention of the same
-inputs. Defaults: the 1.5B Qwen's heads (12 query heads over 2 key/value heads of 128 dims).
+inputs. Defaults: the 1.5B Qwen's heads (12 query heads over 2 key/value heads of 128 dims), bf16
+(`--dtype float32`: what a quantized target's fp32 activations attend in).
 
     python3 benchmarks/attention_cost.py --context 300 1000 --rows 1 5 17
 """
@@ -19,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rag_speculate.cpu.attention import small_attention
+from rag_speculate.cpu.attention import attention
 
 
 def main() -> None:
@@ -30,24 +31,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="layers of keys and values attended in turn per timed round")
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds per kernel (median)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     heads, kv_heads, dims = args.heads
+    dtype = getattr(torch, args.dtype)
     print("| context | rows | torch (us) | ours (us) | torch / ours | torch's max error | ours |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for context in args.context:
         for rows in args.rows:
             length = context + rows
-            q = torch.randn(1, heads, rows, dims, dtype=torch.bfloat16)
+            q = torch.randn(1, heads, rows, dims, dtype=dtype)
             # One layer's keys and values after another, as a forward reads them: not from the caches.
-            cached = [[torch.randn(1, kv_heads, length, dims, dtype=torch.bfloat16) for _ in range(2)] for _ in range(args.layers)]
+            cached = [[torch.randn(1, kv_heads, length, dims, dtype=dtype) for _ in range(2)] for _ in range(args.layers)]
             # As transformers calls it: no mask for one row, an additive one (here a causal chain) beyond.
             keep = torch.ones(rows, length, dtype=torch.bool).tril(context)[None, None] if rows > 1 else None
-            mask = None if keep is None else torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(~keep, -1e30)
+            mask = None if keep is None else torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, -1e30)
             kernels = {
                 "torch": lambda k, v, q=q, mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                "ours": lambda k, v, q=q, mask=mask: small_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                "ours": lambda k, v, q=q, mask=mask: attention(q, k, v, attn_mask=mask, enable_gqa=True),
             }
             times: dict[str, list[float]] = {name: [] for name in kernels}
             for _ in range(args.repeats):
