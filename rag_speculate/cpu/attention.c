@@ -128,85 +128,123 @@ typedef struct {
 
 void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
 
+/* A score: the dot product's lanes summed, scaled and masked (-inf where the entry is not seen). */
+static inline float scored(vec dot, float scale, float bias, int hidden) {
+    const float s = vreduce(dot) * scale;
+    return hidden || bias <= MASKED ? -INFINITY : s + bias;
+}
+
+/* Entries [j, j + count) scored for the block's n query vectors (query: their values, LANES a
+ * chunk), into p (`padded` a vector) and the running maxima `top`. */
+static inline __attribute__((always_inline)) void score(const elem *keys, const float *query, const float *mask, const int64_t *seen,
+                                                        int64_t first, int64_t rows, int64_t length, int64_t dims, float scale,
+                                                        int64_t j, const int n, const int count, float *p, int64_t padded, float *top) {
+    vec dot[4][BLOCK];
+    for (int e = 0; e < count; e++)
+        for (int b = 0; b < n; b++) dot[e][b] = vzero();
+    for (int64_t c = 0; c < dims / LANES; c++) {
+        vec qv[BLOCK];
+        for (int b = 0; b < n; b++) qv[b] = vload(query + b * dims + LANES * c);
+        for (int e = 0; e < count; e++) {
+            const vec key = load(keys + (j + e) * dims + LANES * c);
+            for (int b = 0; b < n; b++) dot[e][b] = vfmadd(qv[b], key, dot[e][b]);
+        }
+    }
+    for (int e = 0; e < count; e++)
+        for (int b = 0; b < n; b++) {
+            const float bias = mask ? mask[(first + b) % rows * length + j + e] : 0.0f;
+            const float s = vreduce(dot[e][b]) * scale;
+            const float sb = j + e >= seen[b] || bias <= MASKED ? -INFINITY : s + bias;
+            p[b * padded + j + e] = sb;
+            top[b] = sb > top[b] ? sb : top[b];
+        }
+}
+
+/* Chunks [c0, c0 + width) of the block's n outputs: the values weighted by p, over entries [0, end). */
+static inline __attribute__((always_inline)) void weigh(const elem *values, const float *p, int64_t padded, int64_t end, int64_t dims,
+                                                        int64_t c0, const int n, const int width, const float *total, elem *out) {
+    vec acc[BLOCK][PASS];
+    for (int b = 0; b < n; b++)
+        for (int c = 0; c < width; c++) acc[b][c] = vzero();
+    for (int64_t j = 0; j < end; j++)
+        for (int c = 0; c < width; c++) {
+            const vec value = load(values + j * dims + LANES * (c0 + c));
+            for (int b = 0; b < n; b++) acc[b][c] = vfmadd(vset1(p[b * padded + j]), value, acc[b][c]);
+        }
+    for (int b = 0; b < n; b++)
+        for (int c = 0; c < width; c++) {
+            float lanes[LANES];
+            vstore(lanes, vmul(acc[b][c], vset1(1.0f / total[b])));
+            for (int l = 0; l < LANES; l++) out[b * dims + LANES * (c0 + c) + l] = store_elem(lanes[l]);
+        }
+}
+
+/* The block of `n` query vectors starting at vector `first` of key/value head `g`; `p` and `query`
+ * are the caller's scratch. Inlined for each n, so every sum stays in a register. */
+static inline __attribute__((always_inline)) void attend_block(const job *J, int64_t g, int64_t first, const int n, float *p,
+                                                               float *query) {
+    const float *mask = J->mask;
+    const int64_t rows = J->rows, length = J->length, dims = J->dims, causal = J->causal;
+    const int64_t group = J->heads / J->kv_heads, chunks = dims / LANES, padded = (length + LANES - 1) / LANES * LANES;
+    const elem *keys = J->k + g * J->k_head_stride, *values = J->v + g * J->v_head_stride;
+    /* Vector b is query head g * group + (first + b) / rows, row (first + b) % rows: both index
+     * [heads, rows] as one run, starting at head g * group. */
+    const int64_t base = g * group * rows + first;
+    int64_t seen[BLOCK], end = 0; /* entries [0, seen[b]) may be seen by vector b */
+    for (int b = 0; b < n; b++) {
+        const int64_t row = (first + b) % rows;
+        seen[b] = causal >= 0 && causal + row + 1 < length ? causal + row + 1 : length;
+        /* Past the last entry its mask shows, a row sees nothing: neither computed nor summed. */
+        if (mask)
+            while (seen[b] > 1 && mask[row * length + seen[b] - 1] <= MASKED) seen[b]--;
+        end = seen[b] > end ? seen[b] : end;
+        for (int64_t c = 0; c < chunks; c++) vstore(query + b * dims + LANES * c, load(J->q + (base + b) * dims + LANES * c));
+    }
+    float top[BLOCK], total[BLOCK];
+    for (int b = 0; b < n; b++) top[b] = -INFINITY, total[b] = 0.0f;
+    /* A few entries scored side by side: an entry's dot product is one chain of fused multiply-adds
+     * over the chunks, so other entries' keep the processor busy while it waits on each. */
+    const int side = n <= 2 ? 4 : n == 3 ? 3 : 2;
+    int64_t j = 0;
+    for (; j + side <= end; j += side) score(keys, query, mask, seen, first, rows, length, dims, J->scale, j, n, side, p, padded, top);
+    for (; j < end; j++) score(keys, query, mask, seen, first, rows, length, dims, J->scale, j, n, 1, p, padded, top);
+    for (int b = 0; b < n; b++) {
+        float *row = p + b * padded;
+        const int64_t stop = (end + LANES - 1) / LANES * LANES;
+        for (int64_t i = end; i < stop; i++) row[i] = -INFINITY;
+        const vec shift = vset1(top[b]);
+        for (int64_t i = 0; i < stop; i += LANES) vstore(row + i, exp_ps(vsub(vload(row + i), shift)));
+        for (int64_t i = 0; i < end; i++) total[b] += row[i];
+    }
+    /* Entries not seen have probability 0, and adding 0 x value changes no sum. */
+    elem *out = J->out + base * dims;
+    int64_t c0 = 0;
+    for (; c0 + PASS <= chunks; c0 += PASS) weigh(values, p, padded, end, dims, c0, n, PASS, total, out);
+    for (; c0 < chunks; c0++) weigh(values, p, padded, end, dims, c0, n, 1, total, out);
+}
+
+#define BLOCK_OF(n) \
+    static void block_##n(const job *J, int64_t g, int64_t first, float *p, float *query) { attend_block(J, g, first, n, p, query); }
+BLOCK_OF(1) BLOCK_OF(2) BLOCK_OF(3) BLOCK_OF(4)
+static void (*const BLOCKS[BLOCK + 1])(const job *, int64_t, int64_t, float *, float *) = {0, block_1, block_2, block_3, block_4};
+
 static void attend_part(void *ctx, int64_t part, int64_t parts) {
     (void)part;
     job *J = ctx;
-    const elem *q = J->q, *k = J->k, *v = J->v;
-    const float *mask = J->mask;
-    elem *out = J->out;
-    const int64_t rows = J->rows, length = J->length, dims = J->dims, causal = J->causal;
-    const float scale = J->scale;
-    const int64_t group = J->heads / J->kv_heads, chunks = dims / LANES, padded = (length + LANES - 1) / LANES * LANES;
+    const int64_t group = J->heads / J->kv_heads, padded = (J->length + LANES - 1) / LANES * LANES;
     /* A key/value head's vectors in blocks of at most BLOCK, as even as they divide. */
-    const int64_t vectors = group * rows, blocks = (vectors + BLOCK - 1) / BLOCK, size = (vectors + blocks - 1) / blocks;
+    const int64_t vectors = group * J->rows, blocks = (vectors + BLOCK - 1) / BLOCK, size = (vectors + blocks - 1) / blocks;
     const int64_t tasks = J->kv_heads * blocks;
     /* Blocks taken 4 at a time where there are many, one at a time where there are few (a
      * decoding step has one per few query heads): every thread gets some. */
     const int64_t grab = tasks >= 8 * parts ? 4 : 1;
     float *p = malloc(sizeof(float) * BLOCK * padded);
-    float *query = malloc(sizeof(float) * BLOCK * dims);
+    float *query = malloc(sizeof(float) * BLOCK * J->dims);
     for (int64_t start; (start = atomic_fetch_add(&J->next, grab)) < tasks;)
         for (int64_t task = start; task < start + grab && task < tasks; task++) {
             const int64_t g = task / blocks, first = task % blocks * size;
             const int64_t n = vectors - first < size ? vectors - first : size;
-            const elem *keys = k + g * J->k_head_stride, *values = v + g * J->v_head_stride;
-            /* Vector b is query head g * group + (first + b) / rows, row (first + b) % rows: both
-             * index [heads, rows] as one run, starting at head g * group. */
-            const int64_t base = g * group * rows + first;
-            int64_t seen[BLOCK], end = 0; /* entries [0, seen[b]) may be seen by vector b */
-            for (int64_t b = 0; b < n; b++) {
-                const int64_t row = (first + b) % rows;
-                seen[b] = causal >= 0 && causal + row + 1 < length ? causal + row + 1 : length;
-                /* Past the last entry its mask shows, a row sees nothing: neither computed nor summed. */
-                if (mask)
-                    while (seen[b] > 1 && mask[row * length + seen[b] - 1] <= MASKED) seen[b]--;
-                end = seen[b] > end ? seen[b] : end;
-                for (int64_t c = 0; c < chunks; c++) vstore(query + b * dims + LANES * c, load(q + (base + b) * dims + LANES * c));
-            }
-            float top[BLOCK], total[BLOCK];
-            for (int64_t b = 0; b < n; b++) top[b] = -INFINITY, total[b] = 0.0f;
-            for (int64_t j = 0; j < end; j++) {
-                vec dot[BLOCK];
-                for (int64_t b = 0; b < n; b++) dot[b] = vzero();
-                for (int64_t c = 0; c < chunks; c++) {
-                    const vec key = load(keys + j * dims + LANES * c);
-                    for (int64_t b = 0; b < n; b++) dot[b] = vfmadd(vload(query + b * dims + LANES * c), key, dot[b]);
-                }
-                for (int64_t b = 0; b < n; b++) {
-                    float s = vreduce(dot[b]) * scale;
-                    const float bias = mask ? mask[(first + b) % rows * length + j] : 0.0f;
-                    if (j >= seen[b] || bias <= MASKED) s = -INFINITY;
-                    else s += bias;
-                    p[b * padded + j] = s;
-                    top[b] = s > top[b] ? s : top[b];
-                }
-            }
-            for (int64_t b = 0; b < n; b++) {
-                float *row = p + b * padded;
-                const int64_t stop = (end + LANES - 1) / LANES * LANES;
-                for (int64_t j = end; j < stop; j++) row[j] = -INFINITY;
-                const vec shift = vset1(top[b]);
-                for (int64_t j = 0; j < stop; j += LANES) vstore(row + j, exp_ps(vsub(vload(row + j), shift)));
-                for (int64_t j = 0; j < end; j++) total[b] += row[j];
-            }
-            /* Entries not seen have probability 0, and adding 0 x value changes no sum. */
-            for (int64_t c0 = 0; c0 < chunks; c0 += PASS) {
-                const int64_t width = chunks - c0 < PASS ? chunks - c0 : PASS;
-                vec acc[BLOCK][PASS];
-                for (int64_t b = 0; b < n; b++)
-                    for (int64_t c = 0; c < width; c++) acc[b][c] = vzero();
-                for (int64_t j = 0; j < end; j++)
-                    for (int64_t c = 0; c < width; c++) {
-                        const vec value = load(values + j * dims + LANES * (c0 + c));
-                        for (int64_t b = 0; b < n; b++) acc[b][c] = vfmadd(vset1(p[b * padded + j]), value, acc[b][c]);
-                    }
-                for (int64_t b = 0; b < n; b++)
-                    for (int64_t c = 0; c < width; c++) {
-                        float lanes[LANES];
-                        vstore(lanes, vmul(acc[b][c], vset1(1.0f / total[b])));
-                        for (int l = 0; l < LANES; l++) out[(base + b) * dims + LANES * (c0 + c) + l] = store_elem(lanes[l]);
-                    }
-            }
+            BLOCKS[n](J, g, first, p, query);
         }
     free(query);
     free(p);
