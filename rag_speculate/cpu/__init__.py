@@ -33,9 +33,11 @@ def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callab
     return None
 
 
-def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., Callable | None]]:
     """`F.linear` and `F.scaled_dot_product_attention` through the kernels (torch's where they do
-    not serve the arguments), for a forward that calls them itself rather than through the mode."""
+    not serve the arguments), and `norm_for` (a norm module's forward through its kernel, where it
+    gives the module's bits), for a forward that calls them itself rather than through the mode."""
     from .kernels import linear, scaled_dot_product_attention
+    from .norm import norm_for
 
-    return linear, scaled_dot_product_attention
+    return linear, scaled_dot_product_attention, norm_for

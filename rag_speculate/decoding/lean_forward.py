@@ -40,14 +40,17 @@ _PROBE_TOLERANCE = 1e-3
 
 
 class Kernels(NamedTuple):
-    """The functions a forward's dense products and attention run through: torch's and the model's
-    own attention function, or the CPU kernels' (`cpu.kernels`, which fall back to torch's where
-    they do not serve the arguments; their attention takes `F.scaled_dot_product_attention`'s)."""
+    """The functions a forward's dense products, attention and norms run through: torch's and the
+    model's own, or the CPU kernels' (`cpu.kernels`, which fall back to torch's where they do not
+    serve the arguments; their attention takes `F.scaled_dot_product_attention`'s)."""
 
     linear: Callable[..., torch.Tensor] = F.linear
     # None: the function the model's attention layers call (transformers' for its attention
     # implementation), which picks torch's kernel by device and mask as the model's forward does.
     attention: Callable[..., torch.Tensor] | None = None
+    # For a norm module, its forward through a kernel that gives its bits, or None to keep the
+    # module (`cpu.norm.norm_for`); None here: every norm its own module.
+    norm_for: Callable[[torch.nn.Module], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
 
 
 TORCH = Kernels()
@@ -60,8 +63,8 @@ class LeanForward:
     def __init__(self, model: PreTrainedModel, kernels: Kernels = TORCH):
         inner, self._config = model.model, model.config
         self._causal_mask = sys.modules[type(inner).__module__].create_causal_mask
-        self._embed, self._rotary, self._norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self._kernels = kernels
+        self._embed, self._rotary, self._norm = inner.embed_tokens, inner.rotary_emb, self._normed(inner.norm)
         attention = inner.layers[0].self_attn
         # The model's own functions, so queries and keys turn, and attend, exactly as in its attention.
         module = sys.modules[type(attention).__module__]
@@ -73,8 +76,8 @@ class LeanForward:
         self._rows_alone = kernels.attention is not None
         self._layers = [
             (
-                layer.input_layernorm, self._products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                layer.self_attn, self._product(layer.self_attn.o_proj), layer.post_attention_layernorm,
+                self._normed(layer.input_layernorm), self._products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                layer.self_attn, self._product(layer.self_attn.o_proj), self._normed(layer.post_attention_layernorm),
                 self._products(layer.mlp.gate_proj, layer.mlp.up_proj), self._product(layer.mlp.down_proj), layer.mlp.act_fn,
             )
             for layer in inner.layers
@@ -146,6 +149,10 @@ class LeanForward:
                 return lambda x: fused(x).split(sizes, dim=-1)
         products = [self._product(m) for m in layers]
         return lambda x: tuple(p(x) for p in products)
+
+    def _normed(self, norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        own = self._kernels.norm_for(norm) if self._kernels.norm_for is not None else None
+        return own or norm
 
     def _product(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if type(layer) is torch.nn.Linear:
