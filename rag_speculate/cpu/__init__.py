@@ -33,11 +33,13 @@ def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callab
     return None
 
 
-def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., Callable | None]]:
+def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., Callable | None], Callable[..., Callable | None]]:
     """`F.linear` and `F.scaled_dot_product_attention` through the kernels (torch's where they do
-    not serve the arguments), and `norm_for` (a norm module's forward through its kernel, where it
-    gives the module's bits), for a forward that calls them itself rather than through the mode."""
+    not serve the arguments), and `norm_for` and `rotary_for` (a norm module's forward, a model's
+    rotary function, through a kernel where it gives their bits), for a forward that calls them
+    itself rather than through the mode."""
     from .kernels import linear, scaled_dot_product_attention
     from .norm import norm_for
+    from .rotary import rotary_for
 
-    return linear, scaled_dot_product_attention, norm_for
+    return linear, scaled_dot_product_attention, norm_for, rotary_for

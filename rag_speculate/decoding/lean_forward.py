@@ -7,10 +7,11 @@ linear layers. This forward calls the model's own embedding, rotary, norm and ac
 its mask and attention functions and its linear layers, in the order the model's forward does,
 with the same arguments: each operator gets the same inputs, so it returns the same bits (torch
 picks an attention kernel by the mask and the key/value layout, so on CUDA even an equivalent
-call of its own changed them). Two things it does otherwise, neither
+call of its own changed them). Three things it does otherwise, none
 changing a value: the products that share an input (queries, keys and values; gate and up) run as
-one where the layers can fuse (`fused`, each output row still computed alone), and the CPU
-kernels, when given, are called directly rather than through their mode.
+one where the layers can fuse (`fused`, each output row still computed alone); the CPU kernels,
+when given, are called directly rather than through their mode; and the norms and the rotary
+embedding run in one C call each where the kernels give the model's own bits (checked per module).
 
 `lean_forward` checks it on a probe before anyone uses it: for the target (`exact`), every logit
 must equal the model's own forward's bit for bit, so the output cannot change; a draft model's
@@ -51,6 +52,8 @@ class Kernels(NamedTuple):
     # For a norm module, its forward through a kernel that gives its bits, or None to keep the
     # module (`cpu.norm.norm_for`); None here: every norm its own module.
     norm_for: Callable[[torch.nn.Module], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+    # Likewise for the model's rotary function and its heads' dims (`cpu.rotary.rotary_for`).
+    rotary_for: Callable[[Callable, int], Callable | None] | None = None
 
 
 TORCH = Kernels()
@@ -68,7 +71,8 @@ class LeanForward:
         attention = inner.layers[0].self_attn
         # The model's own functions, so queries and keys turn, and attend, exactly as in its attention.
         module = sys.modules[type(attention).__module__]
-        self._apply_rotary = module.apply_rotary_pos_emb
+        own_rotary = module.apply_rotary_pos_emb
+        self._apply_rotary = (kernels.rotary_for and kernels.rotary_for(own_rotary, attention.head_dim)) or own_rotary
         own = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, module.eager_attention_forward)
         self._attend = own if kernels.attention is None else self._kernel_attention
         # The CPU kernels compute each row as if alone, so a row's result cannot depend on which
