@@ -235,9 +235,11 @@ static void attend_part(void *ctx, int64_t part, int64_t parts) {
     /* A key/value head's vectors in blocks of at most BLOCK, as even as they divide. */
     const int64_t vectors = group * J->rows, blocks = (vectors + BLOCK - 1) / BLOCK, size = (vectors + blocks - 1) / blocks;
     const int64_t tasks = J->kv_heads * blocks;
-    /* Blocks taken 4 at a time where there are many, one at a time where there are few (a
-     * decoding step has one per few query heads): every thread gets some. */
-    const int64_t grab = tasks >= 8 * parts ? 4 : 1;
+    /* Blocks taken 4 at a time where there are many. Where there are few (a decoding step has one
+     * per few query heads), a thread takes all of a key/value head's blocks where the heads share
+     * out evenly: it reads that head's keys and values from memory once, then from its caches,
+     * rather than two threads each reading them from memory. Else one at a time. */
+    const int64_t grab = tasks >= 8 * parts ? 4 : J->kv_heads % parts == 0 ? blocks : 1;
     float *p = malloc(sizeof(float) * BLOCK * padded);
     float *query = malloc(sizeof(float) * BLOCK * J->dims);
     for (int64_t start; (start = atomic_fetch_add(&J->next, grab)) < tasks;)

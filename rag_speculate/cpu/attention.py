@@ -89,11 +89,13 @@ def attention(
     if library is None:
         return None
     scale = dims**-0.5 if scale is None else scale
+    if batch == 1:
+        return run_attention(library, query, key, value, attn_mask, is_causal, scale)
     masks = [None] * batch if attn_mask is None else attn_mask.expand(batch, *attn_mask.shape[1:]).split(1)
     # One sequence at a time: each gets exactly what it gets in a forward of its own.
     sequences = zip(query.split(1), key.split(1), value.split(1), masks)
     outs = [run_attention(library, q, k, v, m, is_causal, scale) for q, k, v, m in sequences]
-    return outs[0] if batch == 1 else torch.cat(outs)
+    return torch.cat(outs)
 
 
 def run_attention(

@@ -69,6 +69,7 @@ class BatchCache:
         self._rows: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._span: tuple[int, int] | None = None  # the rows fed, when they are a contiguous run
+        self._block: tuple[int, int, int, int] | None = None  # that run, its one start and the tokens fed
         self._seen = 0  # entries the forward's attention reads per row
 
     # --- rows ------------------------------------------------------------------------------
@@ -125,14 +126,23 @@ class BatchCache:
         starts = torch.tensor([self.lengths[r] for r in rows], device=device)
         self._positions = starts[:, None] + torch.arange(fed, device=device)[None]
         self._span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+        # Rows side by side that all write at one position (one row, always): a slice, copied
+        # without the index tensors' gather-scatter.
+        starts = {self.lengths[r] for r in rows}
+        self._block = (*self._span, starts.pop(), fed) if self._span is not None and len(starts) == 1 else None
         self._seen = max(self.lengths[r] for r in rows) + fed
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         """Write the fed tokens' keys and values `[rows fed, kv_heads, fed, head_dim]` after each
         row's entries; the rows' keys and values up to the longest, for the attention to read."""
-        rows, positions = self._rows[:, None], self._positions
-        for store, new in ((self.keys, key_states), (self.values, value_states)):
-            store[layer_idx][rows, :, positions] = new.transpose(1, 2).to(self.dtype)
+        if self._block is not None:
+            first, end, start, fed = self._block
+            self.keys[layer_idx][first:end, :, start : start + fed] = key_states
+            self.values[layer_idx][first:end, :, start : start + fed] = value_states
+        else:
+            rows, positions = self._rows[:, None], self._positions
+            for store, new in ((self.keys, key_states), (self.values, value_states)):
+                store[layer_idx][rows, :, positions] = new.transpose(1, 2).to(self.dtype)
         if self._span is not None:
             first, end = self._span
             return self.keys[layer_idx][first:end, :, : self._seen], self.values[layer_idx][first:end, :, : self._seen]
