@@ -33,7 +33,7 @@ def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callab
     return None
 
 
-def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., Callable | None], Callable[..., Callable | None]]:
+def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable, Callable]:
     """`F.linear` and `F.scaled_dot_product_attention` through the kernels (torch's where they do
     not serve the arguments), and `norm_for` and `rotary_for` (a norm module's forward, a model's
     rotary function, through a kernel where it gives their bits), for a forward that calls them

@@ -1,4 +1,4 @@
-"""Rotary position embedding in one call per tensor (`rotary.c`), bit for bit the model's own.
+"""A layer's queries and keys turned in one call (`rotary.c`), bit for bit the model's rotary function.
 
 transformers' `apply_rotary_pos_emb` runs ten small torch operators for a layer's queries and keys;
 a one-token forward of the 1.5B calls it 28 times. `rotary_for` hands out the kernel only for a
@@ -46,7 +46,7 @@ def _served(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torc
     )  # fmt: skip
 
 
-def _rotated(kernel: Callable, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotated(kernel: Callable, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     q_out, k_out = query.new_empty(query.shape), key.new_empty(key.shape)
     batch, heads, rows, dims = query.shape
     kernel(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
@@ -75,7 +75,9 @@ def rotary_for(apply_rotary: Rotary, dims: int) -> Rotary | None:
     if not all(torch.equal(g, w) for g, w in zip(got, want)):
         return None
 
-    def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotated(kernel, query, key, cos, sin) if _served(query, key, cos, sin) else apply_rotary(query, key, cos, sin)
+    def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if _served(query, key, cos, sin):
+            return _rotated(kernel, query, key, cos, sin)
+        return apply_rotary(query, key, cos, sin)
 
     return rotate

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(rotary_library()[0] is None, reason="no C compil
 def _heads(batch: int, rows: int, heads: int, kv_heads: int, dims: int, generator: torch.Generator):
     """Queries, keys and values as a forward holds them: views of one product's output."""
     out = torch.randn(batch, rows, (heads + 2 * kv_heads) * dims, generator=generator)
-    q, k, v = (t.view(batch, rows, -1, dims).transpose(1, 2) for t in out.split([heads * dims, kv_heads * dims, kv_heads * dims], -1))
+    sizes = [heads * dims, kv_heads * dims, kv_heads * dims]
+    q, k, v = (t.view(batch, rows, -1, dims).transpose(1, 2) for t in out.split(sizes, -1))
     cos, sin = (torch.randn(batch, rows, dims, generator=generator) for _ in range(2))
     return q, k, cos, sin
 
