@@ -15,7 +15,8 @@ Methods:
 
 Items are Spec-Bench's summarization and RAG prompts (`benchmarks/data`), each run once per method
 after a warm-up. Per method: prefill tokens/s (prompt tokens over time to first token), decode
-tokens/s (tokens after the first over the time after it) and end to end seconds; per item, whether
+tokens/s (tokens after the first over the time after it; the median item's, and over all the
+category's tokens, which weighs long answers by their length) and end to end seconds; per item, whether
 our speculative output equals our plain one (it must), how many tokens of llama.cpp's answer ours
 shares before they part (different arithmetic: near ties go either way), and with `--int8` whether
 each quantized plain answer equals the fp32 one.
@@ -158,21 +159,24 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}
                          | {m: round(r["total_s"], 2) for m, r in runs.items()}), flush=True)  # fmt: skip
 
-    def rates(name: str, category: str) -> tuple[float, float, float]:
-        mine = [r for r in rows if r["category"] == category]
-        prefill = statistics.median(r["prompt_tokens"] / r["runs"][name]["ttft_s"] for r in mine)
-        decode = statistics.median((len(r["runs"][name]["tokens"]) - 1) / (r["runs"][name]["total_s"] - r["runs"][name]["ttft_s"])
-                                   for r in mine)  # fmt: skip
-        return prefill, decode, statistics.median(r["runs"][name]["total_s"] for r in mine)
+    def rates(name: str, category: str) -> tuple[float, float, float, float]:
+        """Medians of prefill and decode tokens/s, the decode rate over all the category's tokens, median end to end s."""
+        runs = [r["runs"][name] | {"prompt_tokens": r["prompt_tokens"]} for r in rows if r["category"] == category]
+        decoded = [(len(run["tokens"]) - 1, run["total_s"] - run["ttft_s"]) for run in runs]
+        prefill = statistics.median(run["prompt_tokens"] / run["ttft_s"] for run in runs)
+        decode = statistics.median(tokens / seconds for tokens, seconds in decoded)
+        pooled = sum(tokens for tokens, _ in decoded) / sum(seconds for _, seconds in decoded)
+        return prefill, decode, pooled, statistics.median(run["total_s"] for run in runs)
 
     lines = [f"{device_name(torch.device('cpu'))}, {args.threads} threads, {MODEL} Q4_K_M, activations in "
              f"{next(ours.model.parameters()).dtype}, greedy, {args.max_new_tokens} new tokens at most, medians",
-             "", "| category (items) | method | prefill tok/s | decode tok/s | end to end s |", "|---|---|---:|---:|---:|"]
+             "", "| category (items) | method | prefill tok/s | decode tok/s | decode tok/s, all tokens | end to end s |",
+             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for category in dict.fromkeys(r["category"] for r in rows):
         count = sum(r["category"] == category for r in rows)
         for name in methods:
-            prefill, decode, total = rates(name, category)
-            lines.append(f"| {category} ({count}) | {name} | {prefill:.0f} | {decode:.1f} | {total:.2f} |")
+            prefill, decode, pooled, total = rates(name, category)
+            lines.append(f"| {category} ({count}) | {name} | {prefill:.0f} | {decode:.1f} | {pooled:.1f} | {total:.2f} |")
     lines += ["", f"ours speculative = ours plain: {sum(r['speculative_equals_plain'] for r in rows)}/{len(rows)}; "
               f"tokens shared with llama.cpp's answer before they part (median): "
               f"{statistics.median(r['shared_with_llama_cpp'] for r in rows):.0f}"]  # fmt: skip
