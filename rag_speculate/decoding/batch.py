@@ -128,8 +128,8 @@ class BatchCache:
         self._span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         # Rows side by side that all write at one position (one row, always): a slice, copied
         # without the index tensors' gather-scatter.
-        starts = {self.lengths[r] for r in rows}
-        self._block = (*self._span, starts.pop(), fed) if self._span is not None and len(starts) == 1 else None
+        writes_at = {self.lengths[r] for r in rows}
+        self._block = (*self._span, writes_at.pop(), fed) if self._span is not None and len(writes_at) == 1 else None
         self._seen = max(self.lengths[r] for r in rows) + fed
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):

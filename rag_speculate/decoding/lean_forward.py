@@ -41,9 +41,9 @@ _PROBE_TOLERANCE = 1e-3
 
 
 class Kernels(NamedTuple):
-    """The functions a forward's dense products, attention and norms run through: torch's and the
-    model's own, or the CPU kernels' (`cpu.kernels`, which fall back to torch's where they do not
-    serve the arguments; their attention takes `F.scaled_dot_product_attention`'s)."""
+    """The functions a forward's dense products, attention, norms and rotary embedding run through:
+    torch's and the model's own, or the CPU kernels' (`cpu.kernels`, which fall back to torch's
+    where they do not serve the arguments; their attention takes `F.scaled_dot_product_attention`'s)."""
 
     linear: Callable[..., torch.Tensor] = F.linear
     # None: the function the model's attention layers call (transformers' for its attention
