@@ -107,6 +107,8 @@ static inline vec exp_ps(vec x) {
 #define BLOCK 4
 /* Chunks of the value vectors summed per pass over the entries (BLOCK x PASS accumulators). */
 #define PASS 4
+/* Entries scored side by side, at most. */
+#define SIDE 4
 
 /* q: [heads, rows, dims]; k, v: [kv_heads, length, dims] with heads `*_head_stride` elements apart;
  * mask: [rows, length] added to the scaled scores (MASKED or below: not seen), or NULL; causal >= 0:
@@ -139,7 +141,7 @@ static inline float scored(vec dot, float scale, float bias, int hidden) {
 static inline __attribute__((always_inline)) void score(const elem *keys, const float *query, const float *mask, const int64_t *seen,
                                                         int64_t first, int64_t rows, int64_t length, int64_t dims, float scale,
                                                         int64_t j, const int n, const int count, float *p, int64_t padded, float *top) {
-    vec dot[4][BLOCK];
+    vec dot[SIDE][BLOCK];
     for (int e = 0; e < count; e++)
         for (int b = 0; b < n; b++) dot[e][b] = vzero();
     for (int64_t c = 0; c < dims / LANES; c++) {
@@ -153,10 +155,9 @@ static inline __attribute__((always_inline)) void score(const elem *keys, const 
     for (int e = 0; e < count; e++)
         for (int b = 0; b < n; b++) {
             const float bias = mask ? mask[(first + b) % rows * length + j + e] : 0.0f;
-            const float s = vreduce(dot[e][b]) * scale;
-            const float sb = j + e >= seen[b] || bias <= MASKED ? -INFINITY : s + bias;
-            p[b * padded + j + e] = sb;
-            top[b] = sb > top[b] ? sb : top[b];
+            const float s = scored(dot[e][b], scale, bias, j + e >= seen[b]);
+            p[b * padded + j + e] = s;
+            top[b] = s > top[b] ? s : top[b];
         }
 }
 
@@ -203,8 +204,9 @@ static inline __attribute__((always_inline)) void attend_block(const job *J, int
     float top[BLOCK], total[BLOCK];
     for (int b = 0; b < n; b++) top[b] = -INFINITY, total[b] = 0.0f;
     /* A few entries scored side by side: an entry's dot product is one chain of fused multiply-adds
-     * over the chunks, so other entries' keep the processor busy while it waits on each. */
-    const int side = n <= 2 ? 4 : n == 3 ? 3 : 2;
+     * over the chunks, so the others' keep the processor busy while it waits on each (as many as
+     * AVX2's 16 registers hold beside the block's query chunks). */
+    const int side = n <= 2 ? SIDE : n == 3 ? 3 : 2;
     int64_t j = 0;
     for (; j + side <= end; j += side) score(keys, query, mask, seen, first, rows, length, dims, J->scale, j, n, side, p, padded, top);
     for (; j < end; j++) score(keys, query, mask, seen, first, rows, length, dims, J->scale, j, n, 1, p, padded, top);
