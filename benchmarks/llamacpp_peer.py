@@ -40,7 +40,7 @@ from gpu_check import device_name
 from spec_bench import load_items
 
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
-from rag_speculate.files import cache_dir
+from rag_speculate.files.cache import cache_dir
 from rag_speculate.models.packaged import gguf_path
 
 MODEL = "qwen2.5-coder-1.5b-instruct"

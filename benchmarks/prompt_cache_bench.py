@@ -29,7 +29,7 @@ import torch
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
 from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.entrypoints.prompt import drafting_documents, rag_messages
-from rag_speculate.files import cache_dir
+from rag_speculate.files.cache import cache_dir
 from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 

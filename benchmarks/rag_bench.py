@@ -24,7 +24,7 @@ from spec_bench import write
 from rag_speculate import Datastore, RESTDrafter, SpeculativeEngine
 from rag_speculate.entrypoints.cli import DEFAULT_MODEL
 from rag_speculate.entrypoints.prompt import prepare
-from rag_speculate.files import cache_dir
+from rag_speculate.files.cache import cache_dir
 from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 

@@ -29,7 +29,7 @@ from rag_speculate import SpeculativeEngine
 from rag_speculate.cpu.kernels import FastKernels
 from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.drafters import NGramTrieDrafter, RESTDrafter
-from rag_speculate.files import cache_dir
+from rag_speculate.files.cache import cache_dir
 from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 

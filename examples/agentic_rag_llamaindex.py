@@ -32,7 +32,7 @@ from pydantic import Field
 
 from rag_speculate import SpeculativeEngine
 from rag_speculate.drafters import NGramTrieDrafter, RESTDrafter
-from rag_speculate.files import cache_dir
+from rag_speculate.files.cache import cache_dir
 from rag_speculate.retrieval.corpus import CorpusIndex
 from rag_speculate.retrieval.nq import nq_documents, nq_questions
 

@@ -17,7 +17,8 @@ import stat
 import subprocess
 from pathlib import Path
 
-from ..files import atomic_write_bytes, cache_dir, sha256_file, sibling
+from ..files.cache import cache_dir, sha256_file
+from ..files.durable import atomic_write_bytes, sibling
 
 # -ffp-contract=off: the kernels' sums keep the order written, whatever the compiler fuses.
 BASE_FLAGS = ["-O3", "-funroll-loops", "-ffp-contract=off", "-shared", "-fPIC"]

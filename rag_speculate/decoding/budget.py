@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write_bytes
+from ..files.durable import atomic_write_bytes
 
 # Tokens fed (draft nodes + 1 per row, over a batch's rows); powers of two cover the curve's shape.
 PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)

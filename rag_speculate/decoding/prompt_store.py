@@ -11,8 +11,8 @@ blocks. Only full blocks are stored; a prompt's last partial block is prefilled.
 
 Invariants:
 - a file at a block's name is whole: it is written under a temporary name beside it and renamed into
-  place (`files.atomic_write_bytes`), so a killed writer leaves at most a temporary file, which is
-  never read and is removed once its process is dead;
+  place (`files.durable.atomic_write_bytes`), so a killed writer leaves at most a temporary file,
+  which is never read and is removed once its process is dead;
 - a block is used only once it verifies (`_check`): the file is ours (our user's or root's, not
   writable by every user); its header's length fits the file; the header, parsed by us and bounded,
   names the format and version, the identity, the chain hash, the parent hash and the token ids
@@ -60,17 +60,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..devices import cpu_flags
 from ..errors import InvalidArgumentError
-from ..files import (
-    SHA256,
-    FieldError,
-    atomic_write_bytes,
-    fields,
-    load_json,
-    os_reason,
-    remove_dead_temporaries,
-    text,
-    untrusted,
-)
+from ..files.durable import atomic_write_bytes, os_reason, remove_dead_temporaries, untrusted
+from ..files.schema import SHA256, FieldError, fields, load_json, text
 from ..fingerprint import weights_fingerprint
 from .kv_cache import kv_shape
 from .request import check_int
@@ -493,7 +484,7 @@ def _checksum(tensors: dict[str, Any]) -> str:
 
 
 def _not_ours(info: os.stat_result) -> str:
-    """Why a block file could have been written by another user ("" when not), as `files.untrusted`."""
+    """Why a block file could have been written by another user ("" when not), as `files.durable.untrusted`."""
     if os.name != "posix":
         return ""
     if info.st_uid not in (os.getuid(), 0):

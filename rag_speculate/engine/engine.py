@@ -35,7 +35,7 @@ from ..devices import cpu_flags
 from ..drafters import CombinedDrafter, Drafter, NGramTrieDrafter
 from ..drafters.base import ForwardContext, Target
 from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import cache_dir
+from ..files.cache import cache_dir
 from .inputs import Document, Inputs, Prompt
 from .runner import BatchRunner, SequentialRunner
 from .scheduler import Scheduler

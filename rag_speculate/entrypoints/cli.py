@@ -23,7 +23,7 @@ from ..decoding.baseline import timed_generate
 from ..decoding.result import GenerationResult
 from ..engine import SpeculativeEngine
 from ..errors import RagSpeculateError
-from ..files import cache_dir
+from ..files.cache import cache_dir
 from ..models.loading import load_tokenizer
 from ..quantization.layer import METHODS
 from ..retrieval.corpus import ChunkingOptions, CorpusIndex, read_corpus

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..engine import SpeculativeEngine
 from ..errors import InvalidArgumentError
-from ..files import os_reason
+from ..files.durable import os_reason
 from .prompt import prepare
 
 

@@ -25,22 +25,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import InvalidArgumentError, ModelPackageError
-from ..files import (
-    SHA256,
-    FieldError,
-    cache_dir,
-    fields,
-    fsync_dir,
-    integer,
-    load_json,
-    mapping,
-    recover,
-    replace_dir,
-    sha256_once,
-    sibling,
-    text,
-    write_new_file,
-)
+from ..files.cache import cache_dir, sha256_once
+from ..files.durable import fsync_dir, recover, replace_dir, sibling, write_new_file
+from ..files.schema import SHA256, FieldError, fields, integer, load_json, mapping, text
 from ..fingerprint import known_weights
 from .gguf_file import Progress, dense_gguf, gguf_path, logger, report
 from .registry import PackagedModel, resolve

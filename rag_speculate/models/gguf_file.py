@@ -18,7 +18,8 @@ from pathlib import Path
 import transformers
 
 from ..errors import ModelPackageError
-from ..files import cache_dir, fsync_dir, recover, sha256_once, sibling
+from ..files.cache import cache_dir, sha256_once
+from ..files.durable import fsync_dir, recover, sibling
 from .registry import PackagedModel, resolve
 
 # One logger for every step of loading a packaged model, whichever module takes it.

@@ -1,6 +1,6 @@
 """Real models shipped as PyPI distributions, loaded fully offline: the public names, in one place.
 
-Loading a packaged model takes three steps, each cached under `files.cache_dir`:
+Loading a packaged model takes three steps, each cached under `files.cache.cache_dir`:
 
 1. find its GGUF file in the distributions named by the registry (``registry.py``), assembling a
    split model's parts, and verify its sha256 (``gguf_file.py``);

@@ -12,7 +12,7 @@ Built once from a corpus (`CorpusIndex.build`, or `rag-speculate index`):
 A manifest (`index_format.py`) records what built the folder and lets loading refuse a mismatched
 tokenizer or embedding model, or any file that disagrees with it or with the others; rebuilding
 with the same inputs does nothing; a build is staged beside the folder and renamed into place, so
-an interrupted one leaves the previous index (`files.replace_dir`, `files.recover`).
+an interrupted one leaves the previous index (`files.durable.replace_dir`, `recover`).
 
 This module also re-exports the corpus names users import from here.
 """
@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..drafters.rest import Datastore, DatastoreError
 from ..errors import InvalidArgumentError, RagSpeculateError
-from ..files import fsync_dir, os_reason, recover, replace_dir, sibling, write_new_file
+from ..files.durable import fsync_dir, os_reason, recover, replace_dir, sibling, write_new_file
 from . import index_format as fmt
 from .chunking import ChunkingOptions, chunk_document
 from .documents import Chunk, Document, read_corpus

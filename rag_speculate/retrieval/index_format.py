@@ -21,19 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from ..drafters.rest import Datastore
 from ..errors import CorpusIndexError, InvalidArgumentError
-from ..files import (
-    SHA256,
-    FieldError,
-    fields,
-    integer,
-    load_json,
-    not_ours,
-    of_type,
-    sha256_file,
-    text,
-    untrusted,
-    write_new_file,
-)
+from ..files.cache import sha256_file
+from ..files.durable import not_ours, untrusted, write_new_file
+from ..files.schema import SHA256, FieldError, fields, integer, load_json, of_type, text
 from ..fingerprint import tokenizer_fingerprint
 from .chunking import ChunkingOptions
 from .documents import Document

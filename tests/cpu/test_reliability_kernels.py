@@ -65,7 +65,7 @@ def test_a_library_whose_recorded_hash_does_not_match_is_rebuilt(source, tmp_pat
 
 
 def test_a_library_writable_by_others_is_rebuilt_even_with_its_hash_recorded(source, tmp_path):
-    from rag_speculate.files import sha256_file
+    from rag_speculate.files.cache import sha256_file
 
     target = library_path(source, FLAGS, "probe", _compiler())
     _build_other(tmp_path, target)

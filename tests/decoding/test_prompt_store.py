@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from rag_speculate.decoding.prompt_store import BlockShape, PromptStore, block_hashes
-from rag_speculate.files import _HOST
+from rag_speculate.files.durable import _HOST
 
 IDENTITY = hashlib.sha256(b"a model that is no model").hexdigest()
 SHAPE = BlockShape(layers=2, heads=2, head_dim=4, dtype=torch.float32, tokens=8)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rag_speculate import files
 from rag_speculate.errors import InvalidArgumentError, ModelPackageError, RagSpeculateError
-from rag_speculate.files import cache_dir
+from rag_speculate.files import cache
+from rag_speculate.files.cache import cache_dir
 from rag_speculate.models import converted_cache, gguf_file
 from rag_speculate.models.packaged import (
     MANIFEST_NAME,
@@ -134,7 +134,7 @@ def test_verified_file_is_not_rehashed(monkeypatch: pytest.MonkeyPatch, tmp_path
     def no_hashing(_: Path) -> str:
         raise AssertionError("verified file was hashed again")
 
-    monkeypatch.setattr(files, "sha256_file", no_hashing)
+    monkeypatch.setattr(cache, "sha256_file", no_hashing)
     assert gguf_path(SMOL) == path
 
 

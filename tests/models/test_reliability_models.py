@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rag_speculate import files
 from rag_speculate.errors import ModelPackageError
+from rag_speculate.files import cache
 from rag_speculate.models import converted_cache
 from rag_speculate.models.packaged import (
     MANIFEST_NAME,
@@ -147,8 +147,8 @@ def test_a_damaged_tokenizer_is_rebuilt(smol, tmp_path, monkeypatch):
 def test_each_file_is_hashed_once_per_process_and_an_edit_after_that_is_still_caught(smol, tmp_path, monkeypatch):
     folder = _copy(smol, tmp_path, monkeypatch)
     hashed: list[str] = []
-    real = files.sha256_file
-    monkeypatch.setattr(files, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
     monkeypatch.setattr(converted_cache, "_convert", _refuse_rebuild)
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
 
@@ -180,9 +180,9 @@ def test_a_damaged_source_package_is_refused_with_the_command_that_fixes_it(smol
 def test_the_gguf_file_is_verified_again_in_a_new_process(smol, monkeypatch):
     monkeypatch.setenv("RAG_SPECULATE_CACHE", str(smol.root))  # where the fixture verified it
     script = (
-        "from rag_speculate import files\n"
-        "hashed = []\nreal = files.sha256_file\n"
-        "files.sha256_file = lambda path: hashed.append(path) or real(path)\n"
+        "from rag_speculate.files import cache\n"
+        "hashed = []\nreal = cache.sha256_file\n"
+        "cache.sha256_file = lambda path: hashed.append(path) or real(path)\n"
         "from rag_speculate.models.gguf_file import gguf_path\n"
         f"gguf_path({SMOL!r})\nprint(len(hashed))\n"
     )
@@ -198,7 +198,7 @@ def test_a_cache_replacement_killed_between_renames_leaves_the_old_cache_loadabl
     script = f"""
 import os, signal
 from pathlib import Path
-from rag_speculate.files import replace_dir
+from rag_speculate.files.durable import replace_dir
 target = Path({str(folder)!r})
 real = os.rename
 def rename(src, dst):

@@ -23,7 +23,7 @@ from conftest import char_tokenizer
 
 from rag_speculate import Datastore, DatastoreError
 from rag_speculate.drafters.ouroboros.phrase_pool import PhrasePool, PhrasePoolError
-from rag_speculate.files import sha256_file
+from rag_speculate.files.cache import sha256_file
 from rag_speculate.retrieval.corpus import (
     ChunkingOptions,
     CorpusIndex,
@@ -457,7 +457,7 @@ CorpusIndex.build([Document("one short document")], target, tokenizer=char_token
 
 
 def test_a_live_process_staging_is_left_alone_and_a_dead_ones_removed(store):
-    script = "import sys, time\nfrom pathlib import Path\nfrom rag_speculate.files import sibling\n" \
+    script = "import sys, time\nfrom pathlib import Path\nfrom rag_speculate.files.durable import sibling\n" \
         "staging = sibling(Path(sys.argv[1]), 'tmp')\nstaging.mkdir()\nprint(staging, flush=True)\ntime.sleep(600)\n"
     child = subprocess.Popen([sys.executable, "-c", script, str(store)], stdout=subprocess.PIPE, text=True)
     try:

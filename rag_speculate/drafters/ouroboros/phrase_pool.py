@@ -21,7 +21,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from ...errors import InvalidArgumentError, RagSpeculateError
-from ...files import SHA256, FieldError, atomic_write_bytes, fields, integer, list_of, load_json
+from ...files.durable import atomic_write_bytes
+from ...files.schema import SHA256, FieldError, fields, integer, list_of, load_json
 from ...fingerprint import tokenizer_fingerprint
 
 Phrase = tuple[int, ...]

@@ -19,23 +19,9 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ...errors import RagSpeculateError
-from ...files import (
-    SHA256,
-    FieldError,
-    fields,
-    fsync_dir,
-    integer,
-    list_of,
-    load_json,
-    not_ours,
-    optional,
-    recover,
-    replace_dir,
-    sha256_file,
-    sibling,
-    text,
-    write_new_file,
-)
+from ...files.cache import sha256_file
+from ...files.durable import fsync_dir, not_ours, recover, replace_dir, sibling, write_new_file
+from ...files.schema import SHA256, FieldError, fields, integer, list_of, load_json, optional, text
 from ...fingerprint import tokenizer_fingerprint
 
 FORMAT_VERSION = 1

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...decoding.result import GenerationResult
-from ...files import too_deep
+from ...files.schema import too_deep
 from ...retrieval.documents import Chunk
 from ..tool_calls import MAX_NESTING, HeldText
 from .admission import Unavailable

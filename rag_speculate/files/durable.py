@@ -1,5 +1,5 @@
-"""Durable file helpers shared by everything that saves to disk (datastores, indexes, pools, the model
-cache, the kernels), and where the cache lives (`cache_dir`).
+"""Durable writes shared by everything that saves to disk (datastores, indexes, pools, the model
+cache, the kernels, the prompt cache), and what may be trusted or replaced on disk.
 
 Everything is written under a temporary name beside its destination and renamed into place, so a
 crash never leaves a half-written file or folder where a good one was. A folder is replaced in two
@@ -7,16 +7,12 @@ renames (a directory cannot be renamed over a non-empty one); a process killed b
 the old folder aside under a hidden name, which `recover` puts back, so the next load finds the old
 folder at its path. Hidden names record the process that made them, so leftovers of dead processes
 are removed and those of live ones left alone.
-
-What is read back is checked before it is used: JSON against a schema of its fields (`fields`,
-`integer`, `text`, ...), and a large file's sha256 hashed once per process (`sha256_once`).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -24,57 +20,16 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
-_CHUNK = 1 << 20
+from .schema import load_json
+
 # Which machine made a hidden name: a process id means nothing on another one.
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # How long a load waits for a live process that has moved the old folder aside to put the new one in
 # place; two renames take far less, so only a stopped process makes a load wait this long.
 _RENAME_GRACE_S = 2.0
-
-
-def cache_dir() -> Path:
-    """Root of the on-disk cache: ``$RAG_SPECULATE_CACHE``, else ``$XDG_CACHE_HOME/rag-speculate``,
-    else ``~/.cache/rag-speculate``."""
-    explicit = os.environ.get("RAG_SPECULATE_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "rag-speculate"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as src:
-        while chunk := src.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# A file's identity -> its sha256. Any write changes the mtime or the ctime (which no one can set
-# back), and a replacement changes the inode, so a remembered hash is never one of other content.
-_HASHED: dict[tuple[int, int, int, int, int], str] = {}
-
-
-def _identity(path: Path) -> tuple[int, int, int, int, int]:
-    info = path.stat()
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-
-
-def sha256_once(path: Path) -> str:
-    """sha256 of `path`, hashed once per process while the file is unchanged: a large file is read
-    at its first load rather than at every one."""
-    key = _identity(path)
-    digest = _HASHED.get(key)
-    if digest is None:
-        digest = sha256_file(path)
-        if _identity(path) == key:  # not remembered if the file changed while being read
-            _HASHED[key] = digest
-    return digest
 
 
 def fsync_dir(path: Path) -> None:
@@ -272,148 +227,3 @@ def _remove(name: Path) -> None:
         shutil.rmtree(name, ignore_errors=True)
     else:
         name.unlink(missing_ok=True)
-
-
-# --- checking what is read back -------------------------------------------------------------
-
-
-def load_json(data: str | bytes) -> Any:
-    """Parsed JSON; nesting too deep for the parser is malformed JSON too (`ValueError`)."""
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-
-
-# A JSON token for `nesting`: a string, a bracket, or a run of anything else (numbers, commas, colons, blanks).
-_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]|[^"\[\]{}]+')
-
-
-def too_deep(data: str | bytes, limit: int) -> list[str | int] | None:
-    """Where JSON `data` first nests more than `limit` arrays and objects deep: the keys and indexes
-    that lead there, or None if it never does. A scan rather than a parse, so it is safe where
-    parsing would recurse past Python's limit; nothing but the nesting is checked."""
-    data = data.encode() if isinstance(data, str) else data
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return None
-    path: list[str | int | None] = []
-    for match in _JSON_TOKEN.finditer(data):
-        token = match.group()
-        first = token[:1]
-        if first == b'"':
-            if path and path[-1] is None:  # an object's key
-                path[-1] = token[1:-1].decode(errors="replace")
-        elif first in (b"[", b"{"):
-            path.append(0 if first == b"[" else None)
-            if len(path) > limit:
-                return path
-        elif first in (b"]", b"}"):
-            if not path:
-                return None
-            path.pop()
-        elif path and b"," in token:
-            path[-1] = path[-1] + token.count(b",") if isinstance(path[-1], int) else None
-    return None
-
-
-class FieldError(Exception):
-    """A field read back is missing or has the wrong type or value; the message names the field."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"field {field or '(top level)'} {problem}")
-        self.field = field
-
-
-# A check takes a value and the field's name, and raises FieldError if the value is not allowed.
-Check = Callable[[Any, str], None]
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def integer(low: int = 0, high: int | None = None) -> Check:
-    """An int (not a bool) in [low, high]."""
-
-    def check(value: Any, field: str) -> None:
-        if type(value) is not int or value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise FieldError(field, f"must be an integer {bound}, got {_shown(value)}")
-
-    return check
-
-
-def text(pattern: str | None = None) -> Check:
-    """A string, matching `pattern` (a regex) if given."""
-
-    def check(value: Any, field: str) -> None:
-        if not isinstance(value, str) or (pattern is not None and not re.fullmatch(pattern, value)):
-            kind = "a string" if pattern is None else f"a string matching {pattern}"
-            raise FieldError(field, f"must be {kind}, got {_shown(value)}")
-
-    return check
-
-
-SHA256 = text(r"[0-9a-f]{64}")
-
-
-def of_type(*types: type) -> Check:
-    """An instance of one of `types` (a bool is no int here)."""
-
-    def check(value: Any, field: str) -> None:
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = " or ".join(t.__name__ for t in types)
-            raise FieldError(field, f"must be {names}, got {_shown(value)}")
-
-    return check
-
-
-def optional(inner: Check) -> Check:
-    """None, or what `inner` allows."""
-
-    def check(value: Any, field: str) -> None:
-        if value is not None:
-            inner(value, field)
-
-    return check
-
-
-def list_of(item: Check, length: int | None = None) -> Check:
-    """A list of items `item` allows, of `length` items if given."""
-
-    def check(value: Any, field: str) -> None:
-        if not isinstance(value, list) or (length is not None and len(value) != length):
-            raise FieldError(field, f"must be a list{'' if length is None else f' of {length}'}, got {_shown(value)}")
-        for i, entry in enumerate(value):
-            item(entry, f"{field}[{i}]")
-
-    return check
-
-
-def mapping(name: Check, value: Check) -> Check:
-    """A JSON object of any fields, each name allowed by `name` and each value by `value`."""
-
-    def check(obj: Any, field: str) -> None:
-        if not isinstance(obj, dict):
-            raise FieldError(field, f"must be an object, got {_shown(obj)}")
-        for key, entry in obj.items():
-            name(key, f"{field} (a name)")
-            value(entry, f"{field}.{key}")
-
-    return check
-
-
-def fields(schema: dict[str, Check]) -> Check:
-    """A JSON object with (at least) every field of `schema`, each allowed by its check."""
-
-    def check(value: Any, field: str) -> None:
-        if not isinstance(value, dict):
-            raise FieldError(field, f"must be an object, got {_shown(value)}")
-        for name, inner in schema.items():
-            inner_field = f"{field}.{name}" if field else name
-            if name not in value:
-                raise FieldError(inner_field, "is missing")
-            inner(value[name], inner_field)
-
-    return check
