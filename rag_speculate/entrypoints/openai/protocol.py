@@ -167,8 +167,11 @@ class ChatCompletionRequest(_Common):
         }
 
     @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def answer_limit(self) -> tuple[str, int | None]:
+        """The field that bounds the answer's tokens (OpenAI's newer max_completion_tokens where set) and its value."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 class CompletionRequest(_Common):
@@ -193,8 +196,9 @@ class CompletionRequest(_Common):
         return {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 
     @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+    def answer_limit(self) -> tuple[str, int | None]:
+        """The field that bounds the answer's tokens and its value."""
+        return "max_tokens", self.max_tokens
 
 
 class UnsupportedField(ValueError):

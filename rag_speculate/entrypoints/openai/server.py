@@ -10,7 +10,6 @@ and waiting requests and stops the running ones after a grace period.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -31,8 +30,9 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 
 # Where the model states no position limit, a request that names no max_tokens gets this many.
 FALLBACK_MAX_TOKENS = 1024
-# The request field each engine argument comes from (a chat's prompt is its messages).
-_FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt", "messages": "messages", "documents": "documents",
+# The request field each engine argument comes from (a chat's prompt is its messages); the answer's
+# token bound is checked against the model's limit here, in the request's own terms (`_answer_tokens`).
+_FIELDS = {"prompt": "prompt", "messages": "messages", "documents": "documents",
            "tools": "tools", "tool_choice": "tool_choice", "response_format": "response_format", "stop": "stop",
            "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 # OpenAI's finish_reason has no value for an answer the server stopped as it shut down: this one says so.
@@ -125,19 +125,31 @@ class Server:
     def _prepare(self, prompt: Any, body: ChatCompletionRequest | CompletionRequest, *, chat: bool, **extra: Any) -> Prepared:
         options = dict(documents=list(body.documents or []), temperature=body.temperature, top_p=body.top_p,
                        top_k=max(body.top_k, 0), stop=body.stop, seed=body.seed)
-        if body.max_new_tokens is not None:
-            return _as_param(None, prepare, self.engine, prompt, chat=chat, max_new_tokens=body.max_new_tokens, **options, **extra)
-        # No max_tokens: as many as the model's positions leave after the prompt.
-        limit = self.engine.max_positions
-        prepared = _as_param(None, prepare, self.engine, prompt, chat=chat, max_new_tokens=1, **options, **extra)
-        prompt_tokens = len(prepared.request.prompt_ids)
+        max_new_tokens = self._answer_tokens(body, "messages" if chat else "prompt")
+        return _as_param(None, prepare, self.engine, prompt, chat=chat, max_new_tokens=max_new_tokens, **options, **extra)
+
+    def _answer_tokens(self, body: ChatCompletionRequest | CompletionRequest, prompt_field: str) -> int | Callable[[int], int]:
+        """The answer's token bound, in the request's own terms: where the model has a position limit,
+        a function of the prompt's length that checks the bound asked for fits beside the prompt, or,
+        when none was asked for, gives as many as the limit leaves after it."""
+        field_, asked = body.answer_limit
+        limit = self.engine.traits.max_positions
         if limit is None:
-            max_tokens = FALLBACK_MAX_TOKENS
-        elif limit - prompt_tokens < 1:
-            raise RequestError("messages" if chat else "prompt", f"the prompt is {prompt_tokens} tokens; the model's limit is {limit}")
-        else:
-            max_tokens = limit - prompt_tokens
-        return Prepared(dataclasses.replace(prepared.request, max_new_tokens=max_tokens), prepared.messages, prepared.tools, prepared.sources)
+            return asked or FALLBACK_MAX_TOKENS
+
+        def within_limit(prompt_tokens: int) -> int:
+            room = limit - prompt_tokens
+            if asked is None:
+                if room < 1:
+                    raise RequestError(prompt_field, f"the prompt is {prompt_tokens} tokens, and the model's limit is "
+                                                     f"{limit} in all: no room is left for an answer")
+                return room
+            if asked > room:
+                raise RequestError(field_, f"{field_}={asked} and the prompt's {prompt_tokens} tokens add up to "
+                                           f"{prompt_tokens + asked}, over the model's limit of {limit}")
+            return asked
+
+        return within_limit
 
     # --- generations out -----------------------------------------------------------------
 
@@ -222,7 +234,7 @@ def _as_param(param: str | None, check: Callable[..., Any], *args: Any, **kwargs
         field_ = param or _FIELDS.get(error.argument or "")
         if field_ == "prompt" and kwargs.get("chat"):
             field_ = "messages"
-        raise RequestError(field_, str(error).replace("max_new_tokens", "max_tokens")) from None
+        raise RequestError(field_, str(error)) from None
 
 
 def finish_reason(result: GenerationResult, calls: ToolCallsRead | None) -> str:

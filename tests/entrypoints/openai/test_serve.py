@@ -235,6 +235,41 @@ def test_bad_chat_requests_get_a_400_naming_the_field(base_url, change, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
+def test_a_request_without_max_tokens_gets_the_room_the_models_limit_leaves(server, engine):
+    """Prepared once, with the answer's bound from the prompt's counted tokens: the same request as
+    the engine's own for that bound."""
+    from rag_speculate.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    limit = engine.traits.max_positions
+    job = server.chat_job(ChatCompletionRequest(model=MODEL, messages=QUESTION))
+    prompt_tokens = len(engine.encode_prompt(QUESTION, chat=True))
+    assert job.prepared.request == engine.prepare(QUESTION, chat=True, max_new_tokens=limit - prompt_tokens, temperature=1.0)
+    job = server.completion_job(CompletionRequest(model=MODEL, prompt=[7] * (limit - 3)))
+    assert job.prepared.request.max_new_tokens == 3
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_an_answer_bound_past_the_models_limit_is_a_400_in_the_fields_own_words(base_url, engine, field):
+    prompt_tokens = len(engine.encode_prompt(QUESTION, chat=True))
+    body = {"model": MODEL, "messages": QUESTION, field: engine.traits.max_positions}
+    response = httpx.post(f"{base_url}/chat/completions", json=body, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field, response.text
+    assert error["message"] == (f"{field}={engine.traits.max_positions} and the prompt's {prompt_tokens} tokens add up to "
+                                f"{engine.traits.max_positions + prompt_tokens}, over the model's limit of {engine.traits.max_positions}")
+
+
+def test_a_prompt_that_fills_the_models_limit_is_a_400_naming_the_prompt(base_url, engine):
+    limit = engine.traits.max_positions
+    response = httpx.post(f"{base_url}/completions", json={"model": MODEL, "prompt": [7] * limit}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert "no room is left for an answer" in response.json()["error"]["message"]
+    # A chat's prompt is its messages.
+    long_question = [{"role": "user", "content": "Paris " * limit}]
+    response = httpx.post(f"{base_url}/chat/completions", json={"model": MODEL, "messages": long_question}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+
+
 def test_bad_completion_requests_get_a_400(base_url):
     for change, param in [({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"),
                           ({"echo": True}, "echo"), ({"retrieve": 2}, "retrieve")]:
@@ -265,7 +300,7 @@ def test_streaming_errors_come_before_the_stream(client):
 
 
 def test_retrieval_from_the_servers_index(engine, tmp_path):
-    from rag_speculate.entrypoints.engines import rag_engine
+    from rag_speculate.entrypoints.engines import shared_engine
     from rag_speculate.entrypoints.openai import Server
     from rag_speculate.entrypoints.openai.app import create_app
     from rag_speculate.entrypoints.prompt import drafting_documents, rag_messages
@@ -278,7 +313,7 @@ def test_retrieval_from_the_servers_index(engine, tmp_path):
         Document(id="nile", text="The Nile is a major north-flowing river in northeastern Africa.", title="Nile"),
     ]
     index = CorpusIndex.build(documents, tmp_path / "index", tokenizer=engine.tokenizer)
-    rag = rag_engine(engine, index)
+    rag = shared_engine(MODEL, dtype="float32", device="cpu", index=index)
     question = "Who designed the Eiffel Tower?"
     chunks = index.search(question, 2)
     expected = rag.generate(rag_messages(question, chunks), chat=True, documents=drafting_documents(chunks), max_new_tokens=24)
