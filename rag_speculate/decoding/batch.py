@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from .forward import ModelForward, TreeForward, shared_kv_heads
 from .kv_cache import kv_shape, make_cache, sliding_window
-from .tree import ROOT, DraftTree
+from .tree import ROOT, DraftTree, additive_mask, fed_depths, fed_visibility
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ class BatchForward(ModelForward):
         depths = np.zeros((len(inputs), fed), dtype=np.int64)
         for b, item in enumerate(inputs):
             ids[b, : len(item.tokens)] = item.tokens
-            depths[b, : len(item.tokens)] = _depths(item)
+            depths[b, : len(item.tokens)] = fed_depths(item.parents, len(item.tokens))
             depths[b, len(item.tokens) :] = np.arange(len(item.tokens), fed)  # padding: positions of its own
         positions = torch.from_numpy(depths).to(self.device) + torch.tensor(lengths, device=self.device)[:, None]
         mask = self._mask(inputs, lengths, fed, cache.get_seq_length())
@@ -246,12 +246,12 @@ class BatchForward(ModelForward):
         their ancestors among the fed; padding sees only itself."""
         visible = np.zeros((len(inputs), fed, seen), dtype=bool)
         for b, (item, past) in enumerate(zip(inputs, lengths)):
-            visible[b, :, :past] = True
-            visible[b, :, past : past + fed] = _visible(item, fed)
-            visible[b, len(item.tokens) :, :past] = False  # padding reads nothing real
-        mask = torch.full((len(inputs), 1, fed, seen), torch.finfo(self.mask_dtype).min, dtype=self.mask_dtype, device=self.device)
-        return mask.masked_fill_(torch.from_numpy(visible).to(self.device)[:, None], 0)
-
+            real = len(item.tokens)
+            # Padding reads nothing real: not the cache, not the row's tokens, only itself.
+            visible[b, :real, :past] = True
+            visible[b, :real, past : past + real] = fed_visibility(item.parents, real)
+            visible[b, real:, past + real : past + fed] = np.eye(fed - real, dtype=bool)
+        return additive_mask(visible[:, None], 0, self.mask_dtype, self.device)
 
     @torch.inference_mode()
     def rows_unsupported(self, single: TreeForward) -> str:
@@ -282,24 +282,3 @@ class BatchForward(ModelForward):
                 return "a batched forward's logits differ from each row's own"
         return ""
 
-
-def _depths(item: Fed) -> np.ndarray:
-    if item.parents is None:
-        return np.arange(len(item.tokens))
-    depths = np.zeros(len(item.tokens), dtype=np.int64)
-    for i, p in enumerate(item.parents):
-        depths[i] = 0 if p == ROOT else depths[p] + 1
-    return depths
-
-
-def _visible(item: Fed, fed: int) -> np.ndarray:
-    """`[fed, fed]`: whom each fed token sees among the fed (itself and its ancestors)."""
-    if item.parents is None:
-        visible = np.tril(np.ones((fed, fed), dtype=bool))
-        visible[len(item.tokens) :] = np.eye(fed, dtype=bool)[len(item.tokens) :]
-        return visible
-    visible = np.eye(fed, dtype=bool)
-    for i, p in enumerate(item.parents):
-        if p != ROOT:
-            visible[i] |= visible[p]
-    return visible

@@ -9,6 +9,7 @@ depths and ancestor sets.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,10 +58,12 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Depth of each node; the root's children have depth 1."""
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(1 if p == ROOT else depths[p] + 1)
-        return depths
+        return fed_depths(self.fed_parents(), len(self) + 1)[1:].tolist()
+
+    def fed_parents(self) -> list[int]:
+        """Each token's parent among [root, *tokens] as a forward feeds them: the root's is ROOT (the
+        cached entries alone), draft node i's the place of its parent, the root's being 0."""
+        return [ROOT, *(p + 1 for p in self.parents)]
 
     def children(self) -> dict[int, dict[int, int]]:
         """parent -> {token: child}; the first of duplicate siblings wins, later ones can never be accepted."""
@@ -141,23 +144,50 @@ class DraftTree:
         return self.subset(path)
 
 
-def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive 4D mask (1, 1, q, past + q): every query sees the whole cache, itself and its ancestors.
+def fed_visibility(parents: Sequence[int] | None, count: int) -> np.ndarray:
+    """`[count, count]`: whom each of `count` fed tokens sees among them: itself and its ancestors.
+    `parents`: each one's parent among the fed (ROOT: the cached entries alone); None: a chain, each
+    after the one before."""
+    if parents is None:
+        return np.tril(np.ones((count, count), dtype=bool))
+    visible = np.eye(count, dtype=bool)
+    for i, p in enumerate(parents):
+        if p != ROOT:
+            visible[i] |= visible[p]
+    return visible
+
+
+def fed_depths(parents: Sequence[int] | None, count: int) -> np.ndarray:
+    """Depth of each of `count` fed tokens below the cached entries, those with no parent among the
+    fed at 0 (`parents` as `fed_visibility` takes them): their positions, less the cache's length."""
+    if parents is None:
+        return np.arange(count)
+    depths = np.zeros(count, dtype=np.int64)
+    for i, p in enumerate(parents):
+        depths[i] = 0 if p == ROOT else depths[p] + 1
+    return depths
+
+
+def additive_mask(visible: np.ndarray, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive float mask `[..., q, past + k]` over the keys: every query sees the first `past` (the
+    cache), and of the `k` after them those `visible` `[..., q, k]` marks.
 
     Additive float, never boolean: eager attention adds the mask to the scores, so a boolean mask
     would silently let every token see every other one.
     """
-    q = len(tree) + 1
-    visible = np.eye(q, dtype=bool)
-    for i, p in enumerate(tree.parents):
-        visible[i + 1] |= visible[p + 1]
-    # Built on the model's device: only the small visibility matrix crosses from the host.
-    mask = torch.full((q, past_length + q), torch.finfo(dtype).min, dtype=dtype, device=device)
-    mask[:, :past_length] = 0
-    mask[:, past_length:].masked_fill_(torch.from_numpy(visible).to(device, non_blocking=True), 0)
-    return mask[None, None]
+    # Built on the model's device: only the visibility matrix crosses from the host, not the past's columns.
+    shape = (*visible.shape[:-1], past + visible.shape[-1])
+    mask = torch.full(shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[..., :past] = 0
+    mask[..., past:].masked_fill_(torch.from_numpy(visible).to(device, non_blocking=True), 0)
+    return mask
+
+
+def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive 4D mask (1, 1, q, past + q): every query sees the whole cache, itself and its ancestors."""
+    return additive_mask(fed_visibility(tree.fed_parents(), len(tree) + 1), past_length, dtype, device)[None, None]
 
 
 def tree_position_ids(tree: DraftTree, past_length: int, device: torch.device) -> torch.Tensor:
     """Position of each flattened node: cached length + depth, so every branch reads as a normal continuation."""
-    return (torch.tensor([0, *tree.depths()], device=device) + past_length)[None]
+    return (torch.from_numpy(fed_depths(tree.fed_parents(), len(tree) + 1)).to(device) + past_length)[None]
