@@ -44,7 +44,6 @@ import os
 import platform
 import queue
 import re
-import stat
 import threading
 import time
 import weakref
@@ -261,7 +260,7 @@ class PromptStore:
         try:
             with path.open("rb") as file:
                 info = os.fstat(file.fileno())
-                problem = _not_ours(info)
+                problem = untrusted(info, regular_file=True)
                 if problem:
                     self._report(block, logging.WARNING, "prompt cache: ignoring block %s: it %s", path, problem)
                     return None
@@ -481,15 +480,6 @@ def _checksum(tensors: dict[str, Any]) -> str:
         digest.update(name.encode() + b"\0")
         digest.update(tensors[name])
     return digest.hexdigest()
-
-
-def _not_ours(info: os.stat_result) -> str:
-    """Why a block file could have been written by another user ("" when not), as `files.durable.untrusted`."""
-    if os.name != "posix":
-        return ""
-    if info.st_uid not in (os.getuid(), 0):
-        return f"is owned by another user (uid {info.st_uid})"
-    return "is writable by every user" if info.st_mode & stat.S_IWOTH else ""
 
 
 def _entries(folder: str | Path) -> list[os.DirEntry]:

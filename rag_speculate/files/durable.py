@@ -74,7 +74,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     recover(path)
 
 
-def not_ours(folder: Path, what: str, manifest: str, kind: str, names: Collection[str]) -> str | None:
+def not_replaceable(folder: Path, what: str, manifest: str, kind: str, names: Collection[str]) -> str | None:
     """Why the existing `folder` must not be replaced by a `what` we write, or None when it may: it is
     not a folder, its `manifest` does not say `kind` in the "format" field only we write, or it
     holds files a `what` never has. An empty folder holds nothing to lose."""
@@ -95,12 +95,21 @@ def not_ours(folder: Path, what: str, manifest: str, kind: str, names: Collectio
     return None
 
 
-def untrusted(path: Path) -> str | None:
-    """Why another user could have changed what is at `path`, or None: it is owned by someone other
-    than this user or root, or anyone may write it."""
+# What each kind of file that is not a regular one is called in a message.
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
+
+
+def untrusted(entry: Path | os.stat_result, regular_file: bool = False) -> str | None:
+    """Why what is at `entry` must not be trusted, or None: it is owned by someone other than this user
+    or root, or anyone may write it, so another user could have changed it; with `regular_file`, also
+    when it is anything but a regular file (a folder, a symbolic link, a FIFO, ...). `entry` is a path,
+    whose link is judged rather than its target, or what `os.lstat` or `os.fstat` said of one."""
+    info = entry if isinstance(entry, os.stat_result) else entry.lstat()
+    if regular_file and not stat.S_ISREG(info.st_mode):
+        return f"is {_KINDS.get(stat.S_IFMT(info.st_mode), 'not a regular file')}, not a regular file"
     if os.name != "posix":
         return None
-    info = path.lstat()
     if info.st_uid not in (os.getuid(), 0):
         return f"is owned by another user (uid {info.st_uid})"
     if info.st_mode & stat.S_IWOTH and not stat.S_ISLNK(info.st_mode):

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from ..drafters.rest import Datastore
 from ..errors import CorpusIndexError, InvalidArgumentError
 from ..files.cache import sha256_file
-from ..files.durable import not_ours, untrusted, write_new_file
+from ..files.durable import not_replaceable, untrusted, write_new_file
 from ..files.schema import SHA256, FieldError, fields, integer, load_json, of_type, text
 from ..fingerprint import tokenizer_fingerprint
 from .chunking import ChunkingOptions
@@ -150,7 +150,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def not_an_index(path: Path) -> str | None:
     """Why the existing `path` is not a folder an index build wrote (and must not be replaced), or None."""
-    return not_ours(path, "corpus index", MANIFEST, _FORMAT, (MANIFEST, DATASTORE, *CHECKED_FILES))
+    return not_replaceable(path, "corpus index", MANIFEST, _FORMAT, (MANIFEST, DATASTORE, *CHECKED_FILES))
 
 
 def check_trusted(path: Path) -> None:

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...errors import RagSpeculateError
 from ...files.cache import sha256_file
-from ...files.durable import fsync_dir, not_ours, recover, replace_dir, sibling, write_new_file
+from ...files.durable import fsync_dir, not_replaceable, recover, replace_dir, sibling, write_new_file
 from ...files.schema import SHA256, FieldError, fields, integer, list_of, load_json, optional, text
 from ...fingerprint import tokenizer_fingerprint
 
@@ -53,7 +53,7 @@ class DatastoreError(RagSpeculateError):
 def check_replaceable(path: Path) -> None:
     """Refuse to overwrite a folder that is not a datastore: it may hold anything of the user's."""
     names = (HEADER, *(f"{name}.npy" for name in ARRAYS))
-    foreign = not_ours(path, "datastore", HEADER, _FORMAT, names) if path.exists() else None
+    foreign = not_replaceable(path, "datastore", HEADER, _FORMAT, names) if path.exists() else None
     if foreign:
         raise DatastoreError(f"{path} {foreign}; refusing to replace it (choose another path)")
 
