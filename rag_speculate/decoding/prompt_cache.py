@@ -30,6 +30,8 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import threading
@@ -397,23 +399,35 @@ class PromptCache:
         return upper
 
     def _make_room(self, needed: int, keep: _Node) -> bool:
-        """Evict least recently used leaves (never `keep` or its ancestors) until `needed` bytes fit."""
+        """Evict least recently used leaves (never `keep` or its ancestors) until `needed` bytes fit.
+
+        The evictable leaves are found once and kept in a heap by last use, a parent pushed when its
+        last child goes (as SGLang's radix cache evicts): one walk of the tree however many go.
+        """
         if needed > self.max_bytes:
             return False
+        if self._stats.bytes + needed <= self.max_bytes:
+            return True
         protected = set()
         node = keep
         while node is not None:
             protected.add(id(node))
             node = node.parent
+        # The count breaks ties in last use, so the heap never compares two nodes.
+        order = itertools.count()
+        leaves = [(n.last_used, next(order), n) for n in self._nodes() if not n.children and id(n) not in protected]
+        heapq.heapify(leaves)
         while self._stats.bytes + needed > self.max_bytes:
-            leaves = [n for n in self._nodes() if not n.children and id(n) not in protected]
             if not leaves:
                 return False
-            victim = min(leaves, key=lambda n: n.last_used)
-            del victim.parent.children[victim.tokens[0]]
+            _, _, victim = heapq.heappop(leaves)
+            parent = victim.parent
+            del parent.children[victim.tokens[0]]
             self._stats.bytes -= victim.bytes
             self._stats.nodes -= 1
             self._stats.evictions += 1
+            if not parent.children and id(parent) not in protected:
+                heapq.heappush(leaves, (parent.last_used, next(order), parent))
         return True
 
     def _nodes(self) -> list[_Node]:

@@ -119,6 +119,35 @@ def test_the_budget_is_never_exceeded_and_the_accounting_is_exact():
     assert cache.stats().bytes == before
 
 
+
+def _held(cache, model, tokens):
+    return cache.fetch(model, tokens, make_cache(model)).memory
+
+
+def test_eviction_takes_the_least_recently_used_leaf():
+    model = tiny_model("llama")
+    cache = PromptCache(max_bytes=10 * kv_bytes_per_token(model))
+    a, b, c, d = [2, 3, 4], [5, 6, 7], [8, 9, 10], [11, 12, 13]
+    for tokens in (a, b, c):
+        cache.insert(model, tokens, _filled_cache(model, tokens))
+    assert _held(cache, model, a) == 3  # a is used again: b is now the least recently used
+    cache.insert(model, d, _filled_cache(model, d))
+    assert cache.stats().evictions == 1
+    assert [_held(cache, model, t) for t in (a, b, c, d)] == [3, 0, 3, 3]
+
+
+def test_a_parent_is_evictable_once_its_last_child_goes():
+    model = tiny_model("llama")
+    cache = PromptCache(max_bytes=10 * kv_bytes_per_token(model))
+    parent, child, recent, new = [2, 3, 4, 5], [2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]
+    for tokens in (parent, child, recent):
+        cache.insert(model, tokens, _filled_cache(model, tokens))
+    # Room for `new` takes the child, then its parent, now a leaf used before `recent`.
+    cache.insert(model, new, _filled_cache(model, new))
+    assert cache.stats().evictions == 2 and cache.stats().nodes == 2
+    assert [_held(cache, model, t) for t in (child, recent, new)] == [0, 3, 4]
+
+
 def test_entries_come_back_exactly_as_computed_and_only_for_that_model():
     model = tiny_model("llama")
     tokens = [5, 6, 7, 8, 9, 10]
