@@ -1,4 +1,9 @@
-"""The project's exceptions: catch `RagSpeculateError` to catch everything this library raises on purpose."""
+"""The project's exceptions: catch `RagSpeculateError` to catch everything this library raises on purpose.
+Also the argument checks every floor shares, which raise them."""
+
+from __future__ import annotations
+
+from typing import Any
 
 
 class RagSpeculateError(Exception):
@@ -21,3 +26,15 @@ class CorpusIndexError(RagSpeculateError):
 
 class ModelPackageError(RagSpeculateError):
     """A packaged model is missing or corrupt; the message gives the command that fixes it."""
+
+
+def argument_of(what: str) -> str:
+    """The argument a place inside one names: "documents" for "documents[3]"."""
+    return what.split("[", 1)[0].split(".", 1)[0]
+
+
+def check_int(value: Any, what: str, least: int) -> int:
+    """`value`, an int (not a bool) of at least `least`; else InvalidArgumentError naming `what`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise InvalidArgumentError(f"{what} must be an integer >= {least}, got {value!r}", argument_of(what))
+    return value

@@ -43,10 +43,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, check_int
 from .kv_cache import kv_shape, make_cache
 from .prompt_store import DEFAULT_MAX_BYTES, BlockShape, PromptStore, model_identity
-from .request import check_int
 
 logger = logging.getLogger(__name__)
 

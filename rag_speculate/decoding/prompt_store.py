@@ -58,12 +58,11 @@ import transformers
 from safetensors.torch import save as safetensors_bytes
 
 from ..devices import cpu_flags
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, check_int
 from ..files.durable import atomic_write_bytes, os_reason, remove_dead_temporaries, untrusted
 from ..files.schema import SHA256, FieldError, fields, load_json, text
 from ..fingerprint import weights_fingerprint
 from .kv_cache import kv_shape
-from .request import check_int
 
 logger = logging.getLogger(__name__)
 

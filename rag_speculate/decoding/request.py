@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, argument_of
 from .sampling import SamplingParams
 
 # The roles chat templates render; a conversation ends with the turn the model answers.
@@ -25,11 +25,6 @@ class Request:
     seed: int | None
 
 
-def argument_of(what: str) -> str:
-    """The argument a place inside one names: "documents" for "documents[3]"."""
-    return what.split("[", 1)[0].split(".", 1)[0]
-
-
 def check_text(value: str, what: str) -> str:
     """Text that encodes to UTF-8 (no lone surrogates, which no tokenizer can read)."""
     try:
@@ -38,12 +33,6 @@ def check_text(value: str, what: str) -> str:
         raise InvalidArgumentError(
             f"{what} is not valid Unicode text ({exc.reason} at position {exc.start})", argument_of(what)
         ) from None
-    return value
-
-
-def check_int(value: Any, what: str, least: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise InvalidArgumentError(f"{what} must be an integer >= {least}, got {value!r}", argument_of(what))
     return value
 
 

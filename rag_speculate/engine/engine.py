@@ -29,12 +29,12 @@ from ..decoding.forward import TreeForward
 from ..decoding.lean_forward import Kernels, lean_forward
 from ..decoding.output import eos_token_ids
 from ..decoding.prompt_cache import PromptCache, kv_bytes_per_token
-from ..decoding.request import Request, check_int
+from ..decoding.request import Request
 from ..decoding.result import Channel, GenerationResult, GenerationStream
 from ..devices import cpu_flags
 from ..drafters import CombinedDrafter, Drafter, NGramTrieDrafter
 from ..drafters.base import ForwardContext, Target
-from ..errors import InvalidArgumentError, RagSpeculateError
+from ..errors import InvalidArgumentError, RagSpeculateError, check_int
 from ..files.cache import cache_dir
 from .inputs import Document, Inputs, Prompt
 from .runner import BatchRunner, SequentialRunner

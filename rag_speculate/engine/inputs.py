@@ -21,7 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 from ..decoding.request import (
     Request,
-    check_int,
     check_messages,
     check_not_bytes,
     check_seed,
@@ -29,7 +28,7 @@ from ..decoding.request import (
     sampling_params,
     stop_strings,
 )
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, check_int
 
 Prompt = str | Sequence[int] | Sequence[dict]
 Document = str | Sequence[int]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...decoding.request import check_int
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, check_int
 
 
 @dataclass(frozen=True)
