@@ -23,9 +23,9 @@ Invariants:
 - nodes own their tensors (cloned, never views of a generation's cache), so the accounting is exact.
 
     cache = PromptCache(max_bytes=1 << 30)
-    reused = cache.load(model, prompt_ids[:-1], kv)  # kv: a fresh DynamicCache, now holding `reused` entries
-    ...                                               # prefill prompt_ids[reused:], decode
-    cache.insert(model, tokens, kv)                   # kv holds the entries of tokens, in order
+    reused = cache.fetch(model, prompt_ids[:-1], kv)  # kv: a fresh DynamicCache, now holding reused.tokens entries
+    ...                                                # prefill prompt_ids[reused.tokens:], decode
+    cache.insert(model, tokens, kv)                    # kv holds the entries of tokens, in order
 """
 
 from __future__ import annotations
@@ -245,13 +245,10 @@ class PromptCache:
 
     # --- lookups and inserts ----------------------------------------------------------------------
 
-    def load(self, model: torch.nn.Module, tokens: Sequence[int], cache: DynamicCache) -> int:
-        """Copy the entries of the longest cached prefix of `tokens` into the empty `cache`; how many."""
-        return self.fetch(model, tokens, cache).tokens
-
     def fetch(self, model: torch.nn.Module, tokens: Sequence[int], cache: DynamicCache) -> Reused:
-        """`load`, saying how many tokens came from each tier: memory's longest prefix first, then the
-        disk's blocks beyond it, where loading them pays; those are promoted into memory."""
+        """Copy the entries of the longest cached prefix of `tokens` into the empty `cache`, saying how
+        many tokens came from each tier: memory's longest prefix first, then the disk's blocks beyond
+        it, where loading them pays; those are promoted into memory."""
         with self._lock:
             self._bind(model)
             path, matched = self._walk(tokens)

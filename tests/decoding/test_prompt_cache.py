@@ -156,11 +156,11 @@ def test_entries_come_back_exactly_as_computed_and_only_for_that_model():
     cache.insert(model, tokens[:4], _filled_cache(model, tokens[:4]))
     cache.insert(model, tokens, full)  # a child below the first node
     loaded = make_cache(model)
-    assert cache.load(model, tokens[:5], loaded) == 5
+    assert cache.fetch(model, tokens[:5], loaded).tokens == 5
     for got, want in zip(loaded.layers, full.layers):
         assert torch.equal(got.keys, want.keys[..., :5, :]) and torch.equal(got.values, want.values[..., :5, :])
     # Another model object (even of the same shape) never reads these entries.
-    assert cache.load(tiny_model("llama"), tokens, make_cache(model)) == 0
+    assert cache.fetch(tiny_model("llama"), tokens, make_cache(model)).tokens == 0
     assert cache.stats().bytes == 0
 
 
@@ -176,7 +176,7 @@ def test_threads_share_one_cache_without_losing_or_double_counting(tokenizer):
             for round_ in range(20):
                 p = prompts[(i + round_) % len(prompts)]
                 cache.insert(model, p, filled[(i + round_) % len(prompts)])
-                cache.load(model, p, make_cache(model))
+                cache.fetch(model, p, make_cache(model))
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 

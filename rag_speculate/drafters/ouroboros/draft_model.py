@@ -117,7 +117,7 @@ class DraftModel:
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         fed = self.feedable(prompt_ids)
-        reused = self.prompt_cache.load(self.model, fed[:-1], self.cache)
+        reused = self.prompt_cache.fetch(self.model, fed[:-1], self.cache).tokens
         self.forward.prefill(self.cache, fed[reused:])
         self.cached = list(prompt_ids)
 
