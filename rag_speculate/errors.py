@@ -25,7 +25,9 @@ class CorpusIndexError(RagSpeculateError):
 
 
 class ModelPackageError(RagSpeculateError):
-    """A packaged model is missing or corrupt; the message gives the command that fixes it."""
+    """A model does not load: a packaged model missing or corrupt (the message gives the command that
+    fixes it), or a model file, folder or hub id that is missing or not a usable model (the message
+    names it and what is wrong)."""
 
 
 def argument_of(what: str) -> str:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..devices import Device, default_dtype, resolve_device
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ModelPackageError
 from . import packaged
+from .gguf_check import check_gguf
 from .gguf_file import dense_gguf
+
+# What transformers raises for a model that does not load, by where it fails: a missing or unreadable
+# file, a bad config or tokenizer, a GGUF architecture or tensor type it lacks, weights that do not fit.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, IndexError, RuntimeError, SafetensorError)
 
 
 def load_model(
@@ -35,10 +42,12 @@ def load_model(
         source, extra = _source(name_or_path)
         if progress:
             progress(f"loading {name_or_path}")
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        if "gguf_file" in extra:
-            extra = dense_gguf(extra["gguf_file"])
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra).to(device).eval()
+        with _loading(name_or_path):
+            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+            if "gguf_file" in extra:
+                extra = dense_gguf(extra["gguf_file"])
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
+        model = model.to(device).eval()
     if quantization:
         from ..quantization.gguf import gguf_layers
         from ..quantization.layer import quantize_model
@@ -86,20 +95,41 @@ def load_tokenizer(name_or_path: str, *, progress: Callable[[str], None] | None 
     if packaged.is_packaged_model(name_or_path):
         return packaged.load_packaged_tokenizer(name_or_path, progress=progress)
     source, extra = _source(name_or_path)
-    return AutoTokenizer.from_pretrained(source, **extra)
+    with _loading(name_or_path):
+        return AutoTokenizer.from_pretrained(source, **extra)
 
 
 def _source(name_or_path: str) -> tuple[str, dict]:
-    """Where transformers loads a model that is not packaged from, and how."""
+    """Where transformers loads a model that is not packaged from, and how: a .gguf file once
+    `check_gguf` has read it within its bounds, a folder holding a config, or a hub id."""
     path = Path(name_or_path)
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {path}")
+        check_gguf(path)
         return str(path.parent), {"gguf_file": path.name}
-    if path.exists() or "/" in name_or_path:
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelPackageError(f"{path} is a folder but not a model folder: it has no config.json")
+        return name_or_path, {}
+    if path.exists():
+        raise ModelPackageError(f"{path} is neither a .gguf file nor a model folder")
+    # A hub id is exactly "owner/name"; anything else with a slash is a path that is not there.
+    if path.is_absolute() or name_or_path.startswith(".") or name_or_path.count("/") > 1:
+        raise ModelPackageError(f"no model at {path}: no such file or folder")
+    if "/" in name_or_path:
         return name_or_path, {}
     raise InvalidArgumentError(
         f"unknown model {name_or_path!r}: not a packaged model ({', '.join(packaged.packaged_model_names())}), "
         "a .gguf file, a local folder, nor a Hugging Face id like 'org/name'",
         "model",
     )
+
+
+@contextmanager
+def _loading(name_or_path: str) -> Iterator[None]:
+    """transformers failing to load `name_or_path`, as one ModelPackageError naming it on one line:
+    its own errors are of many types for one fault, and span lines."""
+    try:
+        yield
+    except _LOAD_ERRORS as error:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ModelPackageError(f"{name_or_path} does not load as a model: {reason}") from error

@@ -1,7 +1,8 @@
 """The packaged-model cache is trusted only once its files match the sha256 its manifest recorded:
 a same-size edit is rebuilt, not loaded; hashing happens once per process per file; a damaged
 source package is refused with the command that fixes it; a replacement killed between its renames
-leaves the previous cache loadable.
+leaves the previous cache loadable. A model file or folder named by a user is checked before it is
+read: a bad one is one ModelPackageError naming it and its fault.
 
 The small packaged SmolLM2-135M (fp32), converted once into a private cache and copied per test.
 """
@@ -13,18 +14,25 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFWriter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rag_speculate.errors import ModelPackageError
 from rag_speculate.files import cache
 from rag_speculate.models import converted_cache
+from rag_speculate.models.gguf_check import check_gguf
+from rag_speculate.models.gguf_file import gguf_path
+from rag_speculate.models.loading import load_model, load_tokenizer
 from rag_speculate.models.packaged import (
     MANIFEST_NAME,
     PACKAGED_MODELS,
@@ -32,6 +40,7 @@ from rag_speculate.models.packaged import (
     PackagedModel,
     converted_dir,
     load_packaged_model,
+    load_packaged_tokenizer,
 )
 
 SMOL = "smollm2-135m-instruct"
@@ -215,3 +224,99 @@ replace_dir(Path({str(staging)!r}), target)
     with torch.no_grad():
         assert torch.equal(model(smol.ids).logits, smol.logits)
     assert os.listdir(folder.parent) == [folder.name]  # nothing left beside it
+
+
+def _small_gguf(path: Path, tensor: np.ndarray | None = None) -> Path:
+    """A small GGUF file as llama.cpp lays one out: the architecture first, a vocabulary, one tensor."""
+    writer = GGUFWriter(path, "llama")
+    writer.add_token_list(["<s>", "a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 32), dtype=np.float32) if tensor is None else tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _patch(at: int, raw: bytes) -> Callable[[Path], object]:
+    """Writes a small GGUF file with `raw` over its bytes at `at`."""
+
+    def build(path: Path) -> None:
+        data = bytearray(_small_gguf(path).read_bytes())
+        data[at : at + len(raw)] = raw
+        path.write_bytes(data)
+
+    return build
+
+
+def _packaged_cut(size: int, magic: bytes = b"GGUF") -> Callable[[Path], object]:
+    """Writes the packaged SmolLM's GGUF file cut to `size` bytes (negative: that many short), `magic` first."""
+
+    def build(path: Path) -> None:
+        with gguf_path(SMOL).open("rb") as file:
+            data = file.read()[:size] if size < 0 else file.read(size)
+        path.write_bytes(magic + data[4:])
+
+    return build
+
+
+# Each bad model file, a builder given its path, and what the error says. A GGUF file starts with its
+# magic (4 bytes), version (4), tensor count (8), metadata count (8), and the first key's length (8).
+BAD_FILES = {
+    "truncated": (_packaged_cut(-1), "truncated: the data of tensor '.*' runs to byte"),
+    "first 4 KiB": (_packaged_cut(4096), "truncated or damaged: it claims 272 tensors"),
+    "bad magic": (_packaged_cut(4096, magic=b"GGML"), "does not start with the GGUF magic"),
+    "random bytes": (lambda path: path.write_bytes(np.random.default_rng(0).bytes(4096)), "does not start with"),
+    "empty": (lambda path: path.write_bytes(b""), "is empty"),
+    "huge tensor count": (_patch(8, struct.pack("<Q", 2**60)), f"claims {2**60} tensors"),
+    "huge metadata count": (_patch(16, struct.pack("<Q", 2**60)), f"claims {2**60} metadata entries"),
+    "string length 2**62": (_patch(24, struct.pack("<Q", 2**62)), rf"entry 0 \({2**62} bytes at byte 32\) runs past"),
+    "key not UTF-8": (_patch(32, b"\xff"), "the key of metadata entry 0 at byte 32 is not UTF-8"),
+    "unsupported tensor type": (
+        lambda path: _small_gguf(path, np.zeros((3, 32), dtype=np.int8)), "tensor 'token_embd.weight' is of type I8"
+    ),
+    "missing": (lambda path: None, "no GGUF file at .*: it does not exist"),
+    "folder": (lambda path: path.mkdir(), "is a folder, not a GGUF file"),
+    "symlink to /dev/zero": (lambda path: path.symlink_to("/dev/zero"), "is not a regular file"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_a_bad_gguf_file_is_refused_naming_it_and_its_fault_before_it_is_read(name, tmp_path):
+    """Each count, length and offset is bounded by the file's size before it is used: no reshape,
+    struct or decoding error from inside a reader, and never a read of /dev/zero that does not end."""
+    build, fault = BAD_FILES[name]
+    path = tmp_path / "model.gguf"
+    build(path)
+    for load in (load_tokenizer, load_model):
+        with pytest.raises(ModelPackageError, match=fault) as error:
+            load(str(path))
+        assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_gguf_file_that_holds_no_model_transformers_can_build_is_refused_naming_it(tmp_path):
+    path = _small_gguf(tmp_path / "tensors.gguf")
+    assert check_gguf(path) == path  # whole and well formed: transformers is what cannot use it
+    with pytest.raises(ModelPackageError, match=f"^{path} does not load as a model: .*tokenizer"):
+        load_model(str(path))
+
+
+def test_a_whole_gguf_file_passes_the_check_and_loads_by_its_path():
+    path = gguf_path(SMOL)
+    assert check_gguf(path) == path
+    assert load_tokenizer(str(path)).encode(PROMPT) == load_packaged_tokenizer(SMOL).encode(PROMPT)
+
+
+@pytest.mark.parametrize(
+    ("name", "fault"),
+    [
+        ("{tmp}", "is a folder but not a model folder: it has no config.json"),
+        ("{tmp}/notes.txt", "is neither a .gguf file nor a model folder"),
+        ("{tmp}/absent/model", "no model at .*: no such file or folder"),
+        ("./absent-model", "no model at absent-model: no such file or folder"),
+    ],
+)
+def test_a_path_that_is_not_a_model_is_refused_naming_it(name, fault, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelPackageError, match=fault):
+        load_model(name.format(tmp=tmp_path))
