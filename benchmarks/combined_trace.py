@@ -59,7 +59,7 @@ def main() -> None:
     for item in items:
         judged.category = item.category
         for name, drafter in (("ouroboros", ouroboros), ("combined", combined)):
-            drafter.attach(Target(engine.tokenizer, engine.vocab_size, engine.model.device))
+            drafter.attach(Target(engine.tokenizer, engine.traits.vocab_size, engine.model.device))
             engine.drafter = drafter
             steps.clear()
             s = engine.generate(item.prompt_ids, documents=item.documents, max_new_tokens=args.max_new_tokens).stats

@@ -567,7 +567,7 @@ def section_real_weights(check: Check) -> None:
         engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
         items = load_items(engine, args.data, CATEGORIES, n)
         log(f"real weights: {source}, {len(items)} items, {max_new} new tokens at most")
-        skipped = engine.lean_forward_skipped
+        skipped = engine.traits.lean_forward.why_not
         notes = [f"the engine's target forward: the model's own ({skipped})" if skipped else "the engine's target forward: lean"]
         runs, trie_steps = real_weight_speed(engine, items, max_new, notes)
         section.update(status="ran", model=source, max_new_tokens=max_new, notes=notes, runs=runs, table=speed_table(runs))

@@ -40,13 +40,14 @@ from rag_speculate import (
     Verification,
 )
 from rag_speculate.cpu.kernels import FastKernels
-from rag_speculate.cpu.linear import fast_linear_works
+from rag_speculate.cpu.linear import linear_unsupported
+from rag_speculate.decoding import probe
 from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.decoding.budget import CostModel, best_prefix
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.tree import ROOT
 from rag_speculate.drafters.ouroboros.draft_forward import draft_forward
-from rag_speculate.engine.engine import kernel_context
+from rag_speculate.engine.traits import kernel_context
 
 Method = Callable[[list[int], list | None, int], dict]
 BASELINES = ("hf-greedy", "hf-greedy:fast", "hf-pld", "hf-assisted", "hf-assisted:fast")  # what the summary divides by
@@ -67,7 +68,7 @@ def hf_method(engine: SpeculativeEngine, fast: bool = False, **kwargs) -> Method
     (`fast_forwards`)."""
 
     assistant = kwargs.get("assistant_model")
-    served = [m for m in (engine.model, assistant) if fast and m is not None and fast_linear_works(m)[0]]
+    served = [m for m in (engine.model, assistant) if fast and m is not None and not linear_unsupported(m)]
 
     def run(ids: list[int], documents: list | None, max_new_tokens: int) -> dict:
         counted = ForwardCounter(engine.model, assistant) if assistant is not None else contextlib.nullcontext()
@@ -150,8 +151,8 @@ def engine_method(engine: SpeculativeEngine, drafter: Drafter | list[Drafter], b
     Without a prompt cache: every method prefills every prompt whole, so the runs compare decoding
     alone (`prompt_cache_bench.py` measures the cache)."""
     ours = SpeculativeEngine(engine.model, engine.tokenizer, drafter, draft_budget=budget, name=engine.name,
-                             fast_kernels=fast and engine.fast_kernels, prompt_cache_bytes=0)
-    if ours.fast_kernels == engine.fast_kernels:
+                             fast_kernels=fast and bool(engine.traits.kernels), prompt_cache_bytes=0)
+    if bool(ours.traits.kernels) == bool(engine.traits.kernels):
         ours.cost_model = engine.cost_model
 
     draft_models = _draft_counters(ours.drafter)
@@ -281,18 +282,18 @@ def reference_costs(engine: SpeculativeEngine, draft_model=None, repeats: int = 
     """Seconds per forward by tokens fed, of the target (through the engine's kernels) and of the draft
     model, each the median of `repeats` timings: the pinned curves `modeled_decode_s` counts with."""
 
-    def curve(verifier: TreeForward, max_q: int, exact: bool = True) -> dict[int, float]:
-        forward = verifier.timed(verifier.supports_tree_attention(exact=exact)[0])
+    def curve(forward: Callable[[int], None], max_q: int) -> dict[int, float]:
         tables = [CostModel.measure(forward, max_q).table() for _ in range(repeats)]
         return {q: statistics.median(t[q] for t in tables) for q in tables[0]}
 
-    costs = {"target": curve(engine.forward, engine.draft_budget + 1)}  # as the engine runs it
+    costs = {"target": curve(engine._runner.timed(), engine.draft_budget + 1)}  # as the engine runs it
     if draft_model is not None:
         # A draft forward feeds the output accepted since the last one, the root and the pool's tree.
         # As OuroborosDrafter runs it: through the lean forward where that fits and the CPU kernels
         # where they serve it, in tree mode where the drafting check passes (exact=False).
-        context = kernel_context(draft_model) or contextlib.nullcontext
-        costs["draft"] = curve(TreeForward(draft_model, context=context, forward=draft_forward(draft_model)[0]), 33, exact=False)
+        context = kernel_context(draft_model)[0] or contextlib.nullcontext
+        drafting = TreeForward(draft_model, context=context, forward=draft_forward(draft_model)[0])
+        costs["draft"] = curve(probe.timed_tree(drafting, not probe.tree_attention(drafting, exact=False)), 33)
     return costs
 
 

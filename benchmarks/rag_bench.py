@@ -57,8 +57,8 @@ def datastore_sizes(engine: SpeculativeEngine, items: list[Item], runs: list[dic
         stores["NQ 100% + earlier outputs"] = passages + outputs
     rows = []
     for name, documents in stores.items():
-        store = Datastore.build(documents, vocab_size=engine.vocab_size)
-        per_forward = [replay(RESTDrafter(store), item, greedy[item.id], engine.draft_budget, engine.cost_model, engine.vocab_size, tokenizer)
+        store = Datastore.build(documents, vocab_size=engine.traits.vocab_size)
+        per_forward = [replay(RESTDrafter(store), item, greedy[item.id], engine.draft_budget, engine.cost_model, engine.traits.vocab_size, tokenizer)
                        for item in items]
         rows.append({"datastore": name, "tokens": store.num_tokens, "rest_tokens_per_forward": sum(per_forward) / len(per_forward)})
         print(f"{name}: {store.num_tokens} tokens, REST {rows[-1]['rest_tokens_per_forward']:.3f} tokens/forward (replayed)")

@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     engine.generate([1, 2, 3], max_new_tokens=4)
     # The first forward over a prompt this long pays one-off allocations, which would fall on whichever
     # decoding runs first: pay them on the model alone.
-    with FastKernels() if engine.fast_kernels else contextlib.nullcontext():
+    with FastKernels() if engine.traits.kernels else contextlib.nullcontext():
         timed_generate(engine.model, engine.tokenizer.encode(search_wikipedia.invoke({"query": question})), 1)
 
     print(f"Question: {question}\n")
@@ -150,13 +150,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.no_baseline:
         return report
 
-    log("the same turns with plain greedy decoding" + (" through the same kernels" if engine.fast_kernels else ""))
+    log("the same turns with plain greedy decoding" + (" through the same kernels" if engine.traits.kernels else ""))
     header = ("turn", "new tokens", "prompt (cached)", "speculative s", "plain s", "tok/forward")
     print(f"{header[0]:>4} {header[1]:>10} {header[2]:>16} {header[3]:>13} {header[4]:>8} {header[5]:>11}  identical")
     fast_total = plain_total = fast_decode = plain_decode = 0.0
     identical = True
     for i, (prompt_ids, result) in enumerate(turns, 1):
-        with FastKernels() if engine.fast_kernels else contextlib.nullcontext():
+        with FastKernels() if engine.traits.kernels else contextlib.nullcontext():
             plain = timed_generate(engine.model, prompt_ids, args.max_tokens)
         s = result.stats
         fast_s = s.time_to_first_token_s + s.decode_s

@@ -3,6 +3,7 @@ users name it), the CPU's features, and the dtype a model computes in by default
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import torch
@@ -78,6 +79,16 @@ def cpu_flags() -> set[str]:
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def processor(device: torch.device) -> str | list[str]:
+    """Which chip computes on `device`, as far as its results and speed depend on it: the GPU's
+    name, or the CPU's with its feature flags (its kernels round and run by them)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return [platform.processor() or platform.machine(), *sorted(cpu_flags())]
+    return device.type
 
 
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:

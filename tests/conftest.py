@@ -47,9 +47,9 @@ def forward_path(request, monkeypatch):
     or never ("portable")."""
     if request.param == "portable":
         # The engine picks every forward's context, a draft model's too.
-        from rag_speculate.engine import engine
+        from rag_speculate.engine import traits
 
-        monkeypatch.setattr(engine, "kernel_context", lambda model, wanted=None: None)
+        monkeypatch.setattr(traits, "forward_context", lambda model: (None, "the portable path"))
     return request.param
 
 VOCAB = 96

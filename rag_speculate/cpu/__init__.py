@@ -12,25 +12,21 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..errors import InvalidArgumentError
 
-
-def forward_context(model: torch.nn.Module, *, required: bool = False) -> Callable[[], AbstractContextManager] | None:
-    """The mode `model`'s forwards run in to use the CPU kernels, or None where they cannot
-    (`required`: an error saying why). On any device but the CPU they never do."""
+def forward_context(model: torch.nn.Module) -> tuple[Callable[[], AbstractContextManager] | None, str]:
+    """The mode `model`'s forwards run in to use the CPU kernels, or None and why they cannot. On any
+    device but the CPU they never do."""
     device = next(model.parameters()).device
-    reason = f"the CPU kernels are for models on the CPU, this one is on {device}"
-    if device.type == "cpu":
-        from .linear import fast_linear_works
+    if device.type != "cpu":
+        return None, f"the CPU kernels are for models on the CPU, this one is on {device}"
+    from .linear import linear_unsupported
 
-        works, reason = fast_linear_works(model)
-        if works:
-            from .kernels import FastKernels
+    reason = linear_unsupported(model)
+    if reason:
+        return None, reason
+    from .kernels import FastKernels
 
-            return FastKernels
-    if required:
-        raise InvalidArgumentError(f"fast_kernels=True, but {reason}")
-    return None
+    return FastKernels, ""
 
 
 def kernel_functions() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable, Callable]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .build import BASE_FLAGS, compile_kernel
-from .linear import ISA_FLAGS, unsupported
+from .linear import ISA_FLAGS, isa_unsupported
 
 _SOURCE = Path(__file__).with_name("attention.c")
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -31,7 +31,7 @@ def attention_library(dtype: torch.dtype = torch.bfloat16) -> tuple[ctypes.CDLL 
 
 def build_attention(dtype: torch.dtype, isa: str) -> tuple[ctypes.CDLL | None, str]:
     """The kernel for `dtype` and the instruction set `isa` ("AVX512" or "AVX2"); or None and why not."""
-    reason = unsupported(isa, "the attention kernel")
+    reason = isa_unsupported(isa, "the attention kernel")
     if reason:
         return None, reason
     if dtype not in _DTYPES:

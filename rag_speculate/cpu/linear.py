@@ -101,7 +101,7 @@ def linear_library(dtype: torch.dtype = torch.float32, weights: str = "") -> tup
     return build_linear(_SOURCE, dtype, capability, weights)
 
 
-def unsupported(isa: str, what: str) -> str:
+def isa_unsupported(isa: str, what: str) -> str:
     """Why `what` (a kernel here, all written for x86-64 with AVX2 and FMA) cannot be built on this
     CPU, whose instruction set torch reports as `isa`; "" when it can."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -115,7 +115,7 @@ def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str =
     """`source_path` (the kernel, or another version of it that a benchmark compares) compiled for
     `dtype`, the instruction set `isa` ("AVX512" or "AVX2") and the weight format `weights` into the
     cache unless already there, and loaded; or None and why not."""
-    reason = unsupported(isa, "the linear kernel")
+    reason = isa_unsupported(isa, "the linear kernel")
     if reason:
         return None, reason
     if dtype not in _KERNEL_DTYPES:
@@ -145,7 +145,7 @@ def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str =
 def build_linear_q8(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, str]:
     """`source_path` (`linear_q8.c`, or a version a benchmark compares) compiled for AVX2 (which
     every CPU the kernels serve has) into the cache unless already there, and loaded; or None and why not."""
-    reason = unsupported(isa, "the int8 kernel")
+    reason = isa_unsupported(isa, "the int8 kernel")
     if reason:
         return None, reason
     lib, reason = compile_kernel(source_path, [*BASE_FLAGS, *ISA_FLAGS["AVX2"]], "linear-q8-avx2", "the int8 kernel")
@@ -192,8 +192,8 @@ def run_quantized(
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
-def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
-    """Whether `model`'s linear layers can run through the kernel here, and why not: it must build
+def linear_unsupported(model: torch.nn.Module) -> str:
+    """Why `model`'s linear layers cannot run through the kernel here ("" where they can): it must build
     for the model's dtype, and agree with torch's product on the model's own first linear layer.
     Weights that are tensor subclasses (torchao's quantized tensors, say) are theirs to run: a
     model holding any runs through torch. Layers that say they compute each row alone
@@ -202,18 +202,18 @@ def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     subclassed = next((m.weight for m in linears if not _plain(m.weight)), None)
     if subclassed is not None:
-        return False, f"its linear layers hold {type(subclassed).__name__} weights, which their own kernels run"
+        return f"its linear layers hold {type(subclassed).__name__} weights, which their own kernels run"
     if not linears:
         if any(getattr(m, "rows_alone", False) for m in model.modules()):
-            return True, ""
-        return False, "the model has no torch.nn.Linear layers"
+            return ""
+        return "the model has no torch.nn.Linear layers"
     linear = linears[0]
     weight = linear.weight
     if weight.device.type != "cpu" or weight.dtype not in _KERNEL_DTYPES:
-        return False, f"the fast linear kernel is for fp32 or bf16 on CPU only; the model is {weight.dtype} on {weight.device}"
+        return f"the fast linear kernel is for fp32 or bf16 on CPU only; the model is {weight.dtype} on {weight.device}"
     library, reason = linear_library(weight.dtype)
     if library is None:
-        return False, reason
+        return reason
     # bf16 outputs keep 8 bits: torch's and ours may round a sum to neighbouring values.
     tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
     with torch.inference_mode():
@@ -223,7 +223,7 @@ def fast_linear_works(model: torch.nn.Module) -> tuple[bool, str]:
             try:
                 got = _linear(x, weight, linear.bias)
             except (RuntimeError, ValueError) as exc:
-                return False, f"the fast kernel refused the model's linear layer: {exc}"
+                return f"the fast kernel refused the model's linear layer: {exc}"
             if not torch.allclose(got, want, rtol=tolerance, atol=tolerance * (want.abs().max().item() + 1)):
-                return False, f"the fast kernel disagrees with torch's on the model's first linear layer ({rows} rows)"
-    return True, ""
+                return f"the fast kernel disagrees with torch's on the model's first linear layer ({rows} rows)"
+    return ""

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from .forward import ModelForward, TreeForward, shared_kv_heads
-from .kv_cache import kv_shape, make_cache, sliding_window
-from .tree import ROOT, DraftTree, additive_mask, fed_depths, fed_visibility
+from .forward import ModelForward, shared_kv_heads
+from .kv_cache import kv_shape
+from .tree import additive_mask, fed_depths, fed_visibility
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,6 @@ class Fed:
     row: int
     tokens: list[int]
     parents: list[int] | None = None
-
-
-def unsupported(model: PreTrainedModel) -> str:
-    """Why `model`'s cache cannot be laid out in rows ("" when it can): a sliding window forgets
-    entries, and layers other than plain keys and values cannot be written by position."""
-    cache = make_cache(model)
-    if sliding_window(cache) is not None:
-        return "it has sliding-window attention layers"
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    return "" if kinds <= {"DynamicLayer"} else f"its cache layers are {', '.join(sorted(kinds))}"
 
 
 class BatchCache:
@@ -252,33 +242,3 @@ class BatchForward(ModelForward):
             visible[b, :real, past : past + real] = fed_visibility(item.parents, real)
             visible[b, real:, past + real : past + fed] = np.eye(fed - real, dtype=bool)
         return additive_mask(visible[:, None], 0, self.mask_dtype, self.device)
-
-    @torch.inference_mode()
-    def rows_unsupported(self, single: TreeForward) -> str:
-        """Why the model's forward does not take the rows of a BatchCache ("" when it does): checked
-        on real forwards, two rows of other lengths fed together must each get the logits the
-        model's forward on a cache of their own gives them, as a model that ignores the mask or
-        the positions would not."""
-        vocab = self.model.get_input_embeddings().num_embeddings
-        prompts = [[(7 * i + 3) % vocab for i in range(1, 6)], [(5 * i + 2) % vocab for i in range(1, 3)]]
-        fed = [[9 % vocab, 4 % vocab], [6 % vocab]]
-        try:
-            cache = BatchCache(self.model)
-            rows = [cache.add_row() for _ in prompts]
-            self(cache, [Fed(r, p) for r, p in zip(rows, prompts)])
-            for row, prompt in zip(rows, prompts):
-                cache.advance(row, len(prompt))
-            together = self(cache, [Fed(r, tokens, [ROOT, *range(len(tokens) - 1)]) for r, tokens in zip(rows, fed)])
-            alone = []
-            for prompt, tokens in zip(prompts, fed):
-                own = make_cache(self.model)
-                single.prefill(own, prompt)
-                alone.append(single.chain(own, tokens[0], DraftTree.chain(tokens[1:])))
-        except Exception as exc:  # noqa: BLE001 - any failure means this model's forward takes no rows
-            return f"a batched forward failed: {type(exc).__name__}: {exc}"
-        for got, want in zip(together, alone):
-            want = want.float()
-            if (got.float() - want).abs().max().item() > 0.02 * (want.abs().max().item() + 1e-6):
-                return "a batched forward's logits differ from each row's own"
-        return ""
-

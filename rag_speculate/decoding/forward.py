@@ -16,8 +16,8 @@ from contextlib import AbstractContextManager
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .kv_cache import cache_keyword, keep_cache_entries, make_cache, window_holds
-from .tree import ROOT, DraftTree, tree_attention_mask, tree_position_ids
+from .kv_cache import cache_keyword
+from .tree import DraftTree, tree_attention_mask, tree_position_ids
 
 # transformers' own switch: SDPA reads grouped key/value heads even where a mask is given.
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -110,65 +110,3 @@ class TreeForward(ModelForward):
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         logits = self._logits(cache, input_ids=ids, **self._last_rows(last_rows))[0]
         return logits[-last_rows:] if last_rows else logits
-
-    @torch.inference_mode()
-    def timed(self, tree_mode: bool, context: int = 32) -> Callable[[int], None]:
-        """A function that runs one verification-shaped forward over q tokens, for cost probing."""
-        vocab = self.model.get_input_embeddings().num_embeddings
-        cache = make_cache(self.model)
-        self.prefill(cache, [(7 * i + 3) % vocab for i in range(context)])
-
-        @torch.inference_mode()
-        def run(q: int) -> None:
-            # As the engine verifies: chains where a sliding window would outgrow its past.
-            forward = self.tree if tree_mode and q > 1 and window_holds(cache, context + q) else self.chain
-            forward(cache, 1, DraftTree.chain([1] * (q - 1)))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            keep_cache_entries(cache, q, [])
-
-        return run
-
-    @torch.inference_mode()
-    def supports_tree_attention(self, *, exact: bool = True) -> tuple[bool, str]:
-        """Check on real forwards that a custom 4D mask and the cache gather give plain decoding's logits.
-
-        A model that rejects or ignores the mask (custom attention, remote code) is caught here
-        rather than producing silently different text. `exact=False` is for a model that only
-        drafts and whose logits depend on the other rows of its forward (int8 with dynamic
-        activation scales quantizes all of a forward's rows together): there the mask and the
-        gather need only bring the logits nearer plain decoding's than ignoring them would.
-        """
-        vocab = self.model.get_input_embeddings().num_embeddings
-        a, b, c, e, *distractors = [(7 * i + 3) % vocab for i in range(1, 9)]
-        # c is drafted after several siblings it must not see.
-        tree = DraftTree([*distractors, c], [ROOT] * (len(distractors) + 1))
-        try:
-            # Through the same kernels and forward: in bf16 torch's kernels round several rows differently.
-            ids = torch.tensor([[a, b, c, e]], device=self.device)
-            reference = self._logits(make_cache(self.model), input_ids=ids)[0].float()
-            logits, after = self._tree_then_step(a, b, tree, e, gather=True)
-            if not exact:
-                # What ignoring them would give: c seeing its siblings; the cache keeping them all.
-                ignored = self._tree_then_step(a, b, DraftTree.chain(tree.tokens), e, gather=False)
-        except Exception as exc:  # noqa: BLE001 - any failure means this model cannot do tree attention
-            return False, f"{type(exc).__name__}: {exc}"
-        scale = reference.abs().max().item() + 1e-6
-        checks = (("tree mask", logits, reference[2]), ("cache gather", after, reference[3]))
-        for i, (name, got, want) in enumerate(checks):
-            error = (got - want).abs().max().item()
-            if error > 0.02 * scale and (exact or error >= (got - ignored[i]).abs().max().item()):
-                return False, f"the {name} changed the logits"
-        return True, ""
-
-    def _tree_then_step(
-        self, first: int, root: int, tree: DraftTree, then: int, *, gather: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits of `tree`'s last node after [first, root], then of `then` after the path to it
-        (the cache gathered to it, or keeping the whole tree)."""
-        cache = make_cache(self.model)
-        self.prefill(cache, [first])
-        logits = self.tree(cache, root, tree).float()
-        if gather:
-            keep_cache_entries(cache, len(tree) + 1, [0, len(tree)])
-        return logits[-1], self.prefill(cache, [then]).float()

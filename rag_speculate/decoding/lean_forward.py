@@ -34,6 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kv_cache import cache_keyword, sliding_window
+from .probe import probe_ids
 from .tree import DraftTree, tree_attention_mask
 
 # Of the largest logit, in float32, for a draft model: rounding differences only (bf16 rounds more).
@@ -172,7 +173,7 @@ def lean_forward(
     """The lean forward (`kind`) for `model`, or None and why: its layers are not the shape computed
     here, or its logits differ from the model's own forward (run inside `context`, as the engine
     runs it) on a probe: at all where `exact`, else beyond rounding."""
-    reason = _unsupported(model)
+    reason = _unlike_llama(model)
     if reason:
         return None, reason
     try:
@@ -180,7 +181,7 @@ def lean_forward(
     except Exception as exc:  # noqa: BLE001 - a layer the lean forward cannot take keeps the model's own
         return None, f"the lean forward cannot take the model's layers: {type(exc).__name__}: {exc}"
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.tensor([[(7 * i + 3) % vocab for i in range(7)]], device=model.device)
+    ids = torch.tensor([probe_ids(vocab, 7)], device=model.device)
     tree = DraftTree([5 % vocab, 6 % vocab], [-1, 0])
     with torch.inference_mode():
         try:
@@ -205,7 +206,8 @@ def lean_forward(
     return lean, ""
 
 
-def _unsupported(model: PreTrainedModel) -> str:
+def _unlike_llama(model: PreTrainedModel) -> str:
+    """How `model`'s layers differ from the Llama-family shape the lean forward computes ("" where they do not)."""
     inner = getattr(model, "model", None)
     parts = ("embed_tokens", "rotary_emb", "norm", "layers")
     if inner is None or not hasattr(model, "lm_head") or not all(hasattr(inner, p) for p in parts):

@@ -9,12 +9,8 @@ verifies every sequence's draft in one forward of the model. `generate` waits fo
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import platform
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,24 +18,20 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..cpu import forward_context, kernel_functions
-from ..decoding.batch import BatchForward, unsupported
 from ..decoding.budget import CostModel
-from ..decoding.forward import TreeForward
-from ..decoding.lean_forward import Kernels, lean_forward
 from ..decoding.output import eos_token_ids
 from ..decoding.prompt_cache import PromptCache, kv_bytes_per_token
 from ..decoding.request import Request
 from ..decoding.result import Channel, GenerationResult, GenerationStream
-from ..devices import cpu_flags
 from ..drafters import CombinedDrafter, Drafter, NGramTrieDrafter
 from ..drafters.base import ForwardContext, Target
 from ..errors import InvalidArgumentError, RagSpeculateError, check_int
-from ..files.cache import cache_dir
+from .costs import cost_curve
 from .inputs import Document, Inputs, Prompt
-from .runner import BatchRunner, SequentialRunner
+from .runner import make_runner
 from .scheduler import Scheduler
 from .thread import EngineThread
+from .traits import ModelTraits, kernel_context
 
 logger = logging.getLogger(__name__)
 
@@ -53,124 +45,58 @@ DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 128
 # KV entries the running sequences may hold together, by default: each row room for this many tokens.
 _DEFAULT_ROW_TOKENS = 8192
-# Bumped when how the cost curve is measured changes, so curves saved before are timed again.
-_COSTS_VERSION = 1
-
-
-def kernel_context(model: PreTrainedModel, wanted: bool | None = None) -> ForwardContext | None:
-    """The CPU kernels' mode for `model`'s forwards, or None for torch's own kernels (`wanted`: True
-    requires them, False refuses them, None takes them where they work). The kernel modules load
-    only here, for a model on the CPU."""
-    return None if wanted is False else forward_context(model, required=bool(wanted))
 
 
 class SpeculativeEngine:
     """Wraps a Hugging Face causal LM; output is token-identical to `model.generate` (greedy) or
-    drawn from exactly the same distribution (sampling), only faster."""
+    drawn from exactly the same distribution (sampling), only faster.
+
+    `drafter`: one, or several drafting into one tree (None: the n-gram trie over the documents
+    and the prompt). `fast_kernels`: forwards through the CPU kernels (`rag_speculate.cpu`: linear
+    layers and attention, each row as if alone); None uses them where they work (fp32 and bf16 on
+    CPU), True requires them, False keeps torch's; a draft model's forwards follow the same choice.
+    `prompt_cache_bytes`: memory for the KV entries of prompts and answers seen before
+    (`prompt_cache.py`), reused by later requests that begin with the same tokens; None makes
+    room for some tens of thousands of tokens, 0 turns it off. `prompt_cache_dir`: a folder for
+    its disk tier, shared by every process and replica that names it (created private to the
+    user; refused if another user could change it), holding `prompt_cache_disk_bytes` (None: 8 GiB)
+    of entries that survive restarts; None: memory only. `max_batch`: generations run
+    together at most (1: one at a time); `kv_cache_bytes`: memory for the running generations'
+    KV entries (a request that does not fit waits; None: room for `max_batch` sequences of 8,192
+    tokens); `prefill_chunk`: prompt tokens a joining generation feeds per step while others decode.
+    A bad option raises InvalidArgumentError naming it, before the model is probed.
+    """
 
     def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        drafter: Drafter | Sequence[Drafter] | None = None,
-        *,
-        draft_budget: int | None = None,
-        name: str | None = None,
-        fast_kernels: bool | None = None,
-        prompt_cache_bytes: int | None = None,
-        prompt_cache_dir: str | os.PathLike | None = None,
-        prompt_cache_disk_bytes: int | None = None,
-        max_batch: int | None = None,
-        kv_cache_bytes: int | None = None,
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: Drafter | Sequence[Drafter] | None = None,
+        *, draft_budget: int | None = None, name: str | None = None, fast_kernels: bool | None = None,
+        prompt_cache_bytes: int | None = None, prompt_cache_dir: str | os.PathLike | None = None,
+        prompt_cache_disk_bytes: int | None = None, max_batch: int | None = None, kv_cache_bytes: int | None = None,
         prefill_chunk: int | None = None,
-    ):
-        """`fast_kernels`: forwards through the CPU kernels (`rag_speculate.cpu`: linear layers and
-        attention, each row as if alone); None uses them where they work (fp32 and bf16 on CPU),
-        True requires them, False keeps torch's; a draft model's forwards follow the same choice.
-        `prompt_cache_bytes`: memory for the KV entries of prompts and answers seen before
-        (`prompt_cache.py`), reused by later requests that begin with the same tokens; None makes
-        room for some tens of thousands of tokens, 0 turns it off. `prompt_cache_dir`: a folder for
-        its disk tier, shared by every process and replica that names it (created private to the
-        user; refused if another user could change it), holding `prompt_cache_disk_bytes` (None: 8 GiB)
-        of entries that survive restarts; None: memory only. `max_batch`: generations run
-        together at most (1: one at a time); `kv_cache_bytes`: memory for the running generations'
-        KV entries (a request that does not fit waits; None: room for `max_batch` sequences of 8,192
-        tokens); `prefill_chunk`: prompt tokens a joining generation feeds per step while others decode."""
-        if draft_budget is not None and (not isinstance(draft_budget, int) or isinstance(draft_budget, bool) or draft_budget < 0):
-            raise InvalidArgumentError(f"draft_budget must be >= 0 (0 disables drafting), got {draft_budget!r}", "draft_budget")
-        self.draft_budget = DEFAULT_DRAFT_BUDGET if draft_budget is None else draft_budget
-        max_batch = DEFAULT_MAX_BATCH if max_batch is None else check_int(max_batch, "max_batch", 1)
-        prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else check_int(prefill_chunk, "prefill_chunk", 1)
-        if kv_cache_bytes is not None:
-            check_int(kv_cache_bytes, "kv_cache_bytes", 1)
-        self.model = model.eval()
-        self.tokenizer = tokenizer
+    ):  # fmt: skip
+        self.draft_budget = _at_least(draft_budget, "draft_budget", 0, DEFAULT_DRAFT_BUDGET)
+        max_batch = _at_least(max_batch, "max_batch", 1, DEFAULT_MAX_BATCH)
+        prefill_chunk = _at_least(prefill_chunk, "prefill_chunk", 1, DEFAULT_PREFILL_CHUNK)
+        _at_least(kv_cache_bytes, "kv_cache_bytes", 1, None)
+        self.drafter = _one_drafter(drafter)
+        self.model, self.tokenizer = model.eval(), tokenizer
         # How users and tracing know this model: the name it was loaded by, else its config's.
         self.name = name or Path(str(model.config.name_or_path or type(model).__name__)).name
-        self.drafter = _one_drafter(drafter)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.traits = traits = ModelTraits.learn(model, fast_kernels)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self._inputs = Inputs(tokenizer, self.vocab_size, self.max_positions, self.name)
-        context = kernel_context(model, fast_kernels)
-        self.fast_kernels = context is not None
-        # The model's own forward, or its lean forward where that gives the same logits bit for bit
-        # (calling the kernels itself, outside their mode); why not, "" when it does.
-        lean, self.lean_forward_skipped = lean_forward(
-            model, Kernels(*kernel_functions()) if context else Kernels(), exact=True, context=context or contextlib.nullcontext
-        )  # fmt: skip
-        forwards = {"forward": lean, "context": contextlib.nullcontext} if lean else {"context": context or contextlib.nullcontext}
-        # The forward that prefills and verifies one generation at a time (benchmarks time it).
-        self.forward = TreeForward(model, **forwards)
-        # A draft model's forwards go through the kernels where they serve it, unless they are refused.
-        draft_kernels = False if fast_kernels is False else None
-        drafts_with: Callable[[torch.nn.Module], ForwardContext] = (
-            lambda other: kernel_context(other, draft_kernels) or contextlib.nullcontext
-        )
-        self.drafter.attach(Target(tokenizer, self.vocab_size, model.device, drafts_with))
-        self.tree_attention, reason = self.forward.supports_tree_attention()
-        if not self.tree_attention:
-            warnings.warn(
-                f"{type(model).__name__} cannot verify a draft tree with a custom 4D attention mask ({reason}); "
-                "falling back to verifying only the longest draft branch per forward",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        interacting = _rows_interact(model)
-        if interacting:
-            warnings.warn(
-                f"{interacting}, so a verification or batched forward can round a row otherwise than generate's "
-                "one-token step: outputs can leave generate's. Load it with llm_int8_threshold=0.0 for exact ones",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes, folder=prompt_cache_dir,
-                                                  disk_bytes=prompt_cache_disk_bytes, kernels=self.fast_kernels)  # fmt: skip
+        self._inputs = Inputs(tokenizer, traits.vocab_size, traits.max_positions, self.name)
+        self.drafter.attach(Target(tokenizer, traits.vocab_size, traits.device, _draft_context(fast_kernels)))
+        self.prompt_cache = PromptCache.for_model(model, prompt_cache_bytes, folder=prompt_cache_dir, disk_bytes=prompt_cache_disk_bytes,
+                                                  kernels=bool(traits.kernels), off=traits.prefixes.why_not)  # fmt: skip
         self.prompt_cache.warm_with(self._warm)
-        batched = BatchForward(model, **forwards)
-        # Why generations run one at a time here ("" when they run together).
-        self.batching_unsupported = unsupported(model) or ("" if self.tree_attention else "it verifies chains only")
-        if not self.batching_unsupported:
-            self.batching_unsupported = batched.rows_unsupported(self.forward)
-        if self.batching_unsupported:
-            if max_batch > 1:
-                logger.info("%s runs one generation at a time: %s", type(model).__name__, self.batching_unsupported)
-            max_batch = 1
-            runner: BatchRunner | SequentialRunner = SequentialRunner(model, self.forward, self.prompt_cache, self.tree_attention)
-        else:
-            runner = BatchRunner(model, batched, self.prompt_cache)
-        self.max_batch = max_batch
-        row_tokens = min(self.max_positions or _DEFAULT_ROW_TOKENS, _DEFAULT_ROW_TOKENS)
-        kv_tokens = (kv_cache_bytes // kv_bytes_per_token(model)) if kv_cache_bytes is not None else max_batch * row_tokens
-        if kv_tokens < 2:
-            raise InvalidArgumentError(f"kv_cache_bytes={kv_cache_bytes} has no room for a request's KV entries", "kv_cache_bytes")
-        # Forward cost by tokens fed, loaded or timed on first use (building an engine should stay
-        # cheap); assign one to skip the timing or to pin the curve.
+        self.max_batch = _batch_size(model, traits, max_batch)
+        self._runner = make_runner(model, traits, self.prompt_cache)
+        # Forward cost by tokens fed, timed on first use (`_costs`: building stays cheap); assign one to pin it.
         self.cost_model: CostModel | None = None
         self._scheduler = Scheduler(
-            runner, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
-            drafter=self.drafter, draft_budget=self.draft_budget, costs=self._costs, max_batch=max_batch,
-            kv_tokens=kv_tokens, prefill_chunk=prefill_chunk, device=model.device,
+            self._runner, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, vocab_size=traits.vocab_size,
+            drafter=self.drafter, draft_budget=self.draft_budget, costs=self._costs, max_batch=self.max_batch,
+            kv_tokens=_kv_tokens(model, traits, self.max_batch, kv_cache_bytes), prefill_chunk=prefill_chunk, device=traits.device,
         )  # fmt: skip
         self._thread = EngineThread(f"rag-speculate-{self.name}", self._scheduler.step, self._scheduler.fail_all)
 
@@ -281,26 +207,37 @@ class SpeculativeEngine:
     def _costs(self) -> CostModel:
         """The target's forward cost by tokens fed: assigned, saved for this model and machine, or timed now."""
         if self.cost_model is None:
-            path = _costs_path(self)
-            self.cost_model = CostModel.load(path)
-            if self.cost_model is None:
-                longest = self.max_batch * (self.draft_budget + 1)
-                self.cost_model = CostModel.measure(self.forward.timed(self.tree_attention), longest)
-                try:
-                    self.cost_model.save(path)
-                except OSError as error:  # a read-only cache costs a timing per engine, nothing more
-                    logger.info("cannot save the cost curve at %s: %s", path, error)
+            longest = self.max_batch * (self.draft_budget + 1)
+            self.cost_model = cost_curve(self.model, self.traits, self._runner.timed, longest)
         return self.cost_model
 
 
-def _rows_interact(model: PreTrainedModel) -> str:
-    """Why a row of `model`'s forward depends on the rows beside it ("" where none is known)."""
-    config = getattr(model.config, "quantization_config", None)
-    read = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    if config is not None and read("load_in_8bit", False) and (read("llm_int8_threshold", 6.0) or 0.0) > 0:
-        return (f"bitsandbytes' LLM.int8 (llm_int8_threshold={read('llm_int8_threshold', 6.0)}) keeps a column in "
-                "16 bits when any row of the forward exceeds the threshold there")  # fmt: skip
-    return ""
+def _at_least(value: int | None, name: str, least: int, default: int | None) -> int | None:
+    """`value` checked as an integer of at least `least` (InvalidArgumentError naming `name`), or `default` for None."""
+    return default if value is None else check_int(value, name, least)
+
+
+def _batch_size(model: PreTrainedModel, traits: ModelTraits, max_batch: int) -> int:
+    """`max_batch`, or 1 for a model whose forward takes one generation's rows at a time (said once)."""
+    if not traits.rows and max_batch > 1:
+        logger.info("%s runs one generation at a time: %s", type(model).__name__, traits.rows.why_not)
+    return max_batch if traits.rows else 1
+
+
+def _kv_tokens(model: PreTrainedModel, traits: ModelTraits, max_batch: int, kv_cache_bytes: int | None) -> int:
+    """The KV entries the running generations may hold together: what `kv_cache_bytes` holds, else
+    each row room for a long prompt and answer (as many as the model has positions, up to 8,192)."""
+    if kv_cache_bytes is None:
+        return max_batch * min(traits.max_positions or _DEFAULT_ROW_TOKENS, _DEFAULT_ROW_TOKENS)
+    if kv_cache_bytes // kv_bytes_per_token(model) < 2:
+        raise InvalidArgumentError(f"kv_cache_bytes={kv_cache_bytes} has no room for a request's KV entries", "kv_cache_bytes")
+    return kv_cache_bytes // kv_bytes_per_token(model)
+
+
+def _draft_context(fast_kernels: bool | None) -> Callable[[torch.nn.Module], ForwardContext]:
+    """How a draft model's forwards run: through the kernels where they serve it, unless refused."""
+    wanted = False if fast_kernels is False else None
+    return lambda other: kernel_context(other, wanted)[0] or contextlib.nullcontext
 
 
 def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
@@ -316,35 +253,3 @@ def _one_drafter(drafter: Drafter | Sequence[Drafter] | None) -> Drafter:
 
 def _is_chat(prompt: Prompt) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-def _linear_kinds(model: torch.nn.Module) -> list[str]:
-    """What computes the model's linear layers: plain weights by dtype, a tensor subclass by name,
-    layers of their own (quantized ones) by their description; a layer's cost depends on it."""
-    kinds = set()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            kinds.add(f"{type(module.weight).__name__} {module.weight.dtype}")
-        elif getattr(module, "rows_alone", False):
-            kinds.add(f"{type(module).__name__} {module.extra_repr()}")
-    return sorted(kinds)
-
-
-def _costs_path(engine: SpeculativeEngine) -> Path:
-    """Where this model's cost curve on this machine is kept: keyed by what its forward's cost
-    depends on (the model's shapes, dtype and device, its linear layers' kinds, the kernels, the
-    CPU, torch, the threads)."""
-    config = engine.model.config.to_dict()
-    shape = {key: config.get(key) for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                               "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
-    parameter = next(engine.model.parameters())
-    identity = {
-        "version": _COSTS_VERSION, "shape": shape, "dtype": str(parameter.dtype), "device": parameter.device.type,
-        "linear": _linear_kinds(engine.model),
-        "kernels": engine.fast_kernels, "tree": engine.tree_attention, "longest": engine.max_batch * (engine.draft_budget + 1),
-        "cpu": platform.processor() or platform.machine(), "flags": sorted(cpu_flags()), "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(parameter.device) if parameter.device.type == "cuda" else None,
-    }  # fmt: skip
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / "costs" / f"{digest}.json"

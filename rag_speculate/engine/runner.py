@@ -9,16 +9,26 @@ their prompts' cached prefixes from the prompt cache and give it their entries b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..decoding import probe
 from ..decoding.batch import BatchCache, BatchForward, Fed
 from ..decoding.forward import TreeForward
 from ..decoding.kv_cache import keep_cache_entries, make_cache, window_holds
 from ..decoding.prompt_cache import PromptCache, Reused
 from ..decoding.tree import ROOT, DraftTree
+from .traits import ModelTraits
+
+
+def make_runner(model: PreTrainedModel, traits: ModelTraits, prompt_cache: PromptCache) -> BatchRunner | SequentialRunner:
+    """Rows of one cache where the model takes them, else a cache and a forward per sequence."""
+    forwards = {"forward": traits.forward, "context": traits.context}
+    if traits.rows:
+        return BatchRunner(model, BatchForward(model, **forwards), prompt_cache)
+    return SequentialRunner(model, TreeForward(model, **forwards), prompt_cache, bool(traits.tree_attention))
 
 
 class BatchRunner:
@@ -66,6 +76,10 @@ class BatchRunner:
     def held_tokens(self) -> int:
         return self.cache.held_tokens()
 
+    def timed(self) -> Callable[[int], None]:
+        """A forward over q tokens of one row, as `verify` runs them, for the cost curve."""
+        return probe.timed_rows(self.forward)
+
 
 class SequentialRunner:
     def __init__(self, model: PreTrainedModel, forward: TreeForward, prompt_cache: PromptCache, tree_attention: bool):
@@ -111,3 +125,7 @@ class SequentialRunner:
 
     def held_tokens(self) -> int:
         return sum(c.get_seq_length() for c in self.caches.values())
+
+    def timed(self) -> Callable[[int], None]:
+        """A forward over q tokens of one sequence, as `verify` runs them, for the cost curve."""
+        return probe.timed_tree(self.forward, self.tree_attention)

@@ -28,7 +28,7 @@ METHODS = ("int8", "int4", "gguf")
 class QuantizedLinear(torch.nn.Module):
     """`torch.nn.Linear`'s forward over a `QuantizedWeight` (kept on the CPU) and an optional bias."""
 
-    # Every row computed as if alone (the CPU kernel's invariant): what `cpu.linear.fast_linear_works` asks.
+    # Every row computed as if alone (the CPU kernel's invariant): what `cpu.linear.linear_unsupported` asks.
     rows_alone = True
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):

@@ -12,7 +12,7 @@ from rag_speculate.cpu import attention as cpu_attention
 from rag_speculate.cpu import kernels as fast_kernels
 from rag_speculate.cpu import linear as cpu_linear
 from rag_speculate.cpu.kernels import FastKernels
-from rag_speculate.cpu.linear import fast_linear_works, linear_library
+from rag_speculate.cpu.linear import linear_library, linear_unsupported
 from rag_speculate.decoding.budget import CostModel
 
 needs_kernel = pytest.mark.skipif(linear_library()[0] is None, reason=f"linear kernel unavailable: {linear_library()[1]}")
@@ -116,7 +116,7 @@ def test_engine_runs_fast_kernels_only_when_enabled_and_stays_lossless(arch, tok
     ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
     reference = hf_greedy(model, ids, 40)
     default = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert default.fast_kernels  # fp32 on CPU: on by default
+    assert default.traits.kernels  # fp32 on CPU: on by default
     served = _served_by_engine(default, ids, reference, monkeypatch)
     assert served["kernel"] > 0
     stock = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), fast_kernels=False)
@@ -131,7 +131,7 @@ def test_bf16_engine_runs_the_kernels_by_default_and_matches_generate_through_th
     with FastKernels():  # no identity with torch's bf16 kernels; with the same kernels, every row as alone
         reference = hf_greedy(model, ids, 40)
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert engine.fast_kernels and engine.tree_attention
+    assert engine.traits.kernels and engine.traits.tree_attention
     attention_rows: list[int] = []
     if cpu_attention.attention_library(torch.bfloat16)[0] is not None:
         def counted(query, *args, **kwargs):
@@ -148,8 +148,7 @@ def test_bf16_engine_runs_the_kernels_by_default_and_matches_generate_through_th
 
 def test_models_the_fast_kernels_cannot_serve_are_named(tokenizer):
     model = tiny_model("qwen2").to(torch.float16)
-    works, reason = fast_linear_works(model)
-    assert not works and "float16" in reason
-    assert not SpeculativeEngine(model, tokenizer).fast_kernels
+    assert "float16" in linear_unsupported(model)
+    assert not SpeculativeEngine(model, tokenizer).traits.kernels
     with pytest.raises(InvalidArgumentError, match="fast_kernels=True.*float16"):
         SpeculativeEngine(model, tokenizer, fast_kernels=True)

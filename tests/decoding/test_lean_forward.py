@@ -24,7 +24,8 @@ def _kernels(model, through: str):
         return Kernels(), contextlib.nullcontext
     from rag_speculate.cpu import forward_context, kernel_functions
 
-    context = forward_context(model, required=True)
+    context, reason = forward_context(model)
+    assert context is not None, reason
     return Kernels(*kernel_functions()), context
 
 

@@ -19,6 +19,7 @@ from rag_speculate import (
     PhrasePoolError,
     SpeculativeEngine,
 )
+from rag_speculate.decoding import probe
 from rag_speculate.decoding.budget import CostModel
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.sampling import SamplingParams
@@ -155,7 +156,7 @@ def test_pool_phrases_are_checked_as_a_tree_where_the_draft_model_honours_the_ma
         # int8 quantizes a forward's rows together, so its logits move with the rows beside them and
         # the target's exact check fails; the mask is honoured all the same.
         draft = int8_draft_model(base)
-        assert not TreeForward(draft).supports_tree_attention()[0]
+        assert probe.tree_attention(TreeForward(draft))
     else:
         draft = IgnoresCustomMasks(base.config).to(DEVICE).eval()
         draft.load_state_dict(base.state_dict())

@@ -44,7 +44,7 @@ def test_bad_arguments_name_the_problem(engine, prompt, kwargs, match):
 
 
 def test_bad_engine_and_drafter_settings(tokenizer):
-    with pytest.raises(InvalidArgumentError, match="draft_budget must be >= 0"):
+    with pytest.raises(InvalidArgumentError, match="draft_budget must be an integer >= 0"):
         SpeculativeEngine(tiny_model("llama"), tokenizer, draft_budget=-1)
     with pytest.raises(InvalidArgumentError, match="max_prefix"):
         NGramTrieDrafter(n=3, max_prefix=3)

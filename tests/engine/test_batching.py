@@ -40,7 +40,7 @@ def _engine(model, tokenizer, drafter=None, **options) -> SpeculativeEngine:
 def test_rows_joining_and_leaving_give_each_its_own_greedy_answer(arch, tokenizer):
     model = tiny_model(arch)
     engine = _engine(model, tokenizer)
-    assert engine.max_batch > 1 and not engine.batching_unsupported
+    assert engine.max_batch > 1 and not engine.traits.rows.why_not
     # Different prompt lengths and answer lengths: rows join at different steps and leave at others.
     lengths = [40, 8, 25, 3, 33]
     references = [hf_greedy(model, tokenizer.encode(p), n) for p, n in zip(PROMPTS, lengths)]
@@ -140,7 +140,7 @@ def test_a_request_that_does_not_fit_the_kv_budget_waits_for_room(tokenizer):
 def test_models_that_cannot_batch_run_one_at_a_time_and_say_why(tokenizer):
     model = tiny_model("gemma3")  # sliding-window layers
     engine = _engine(model, tokenizer)
-    assert engine.max_batch == 1 and "sliding-window" in engine.batching_unsupported
+    assert engine.max_batch == 1 and "sliding-window" in engine.traits.rows.why_not
     references = [hf_greedy(model, tokenizer.encode(p), 12) for p in PROMPTS[:3]]
     assert [r.token_ids for r in engine.generate_batch(PROMPTS[:3], max_new_tokens=12)] == references
 

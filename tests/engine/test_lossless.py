@@ -20,7 +20,7 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick", "In 1905, E
 def test_trie_drafter_matches_generate(arch, tokenizer):
     model = tiny_model(arch)
     engine = SpeculativeEngine(model, tokenizer)
-    assert engine.tree_attention
+    assert engine.traits.tree_attention
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         reference = hf_greedy(model, ids, 48)

@@ -16,12 +16,12 @@ from rag_speculate import SpeculativeEngine
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.kv_cache import make_cache
 from rag_speculate.decoding.tree import DraftTree
-from rag_speculate.engine.engine import kernel_context
+from rag_speculate.engine.traits import kernel_context
 
 
 
 def _kernels(model: torch.nn.Module):
-    context = kernel_context(model)
+    context, _ = kernel_context(model)
     if context is None:
         pytest.skip(f"the CPU kernels do not serve {next(model.parameters()).dtype} here")
     return context

@@ -87,7 +87,7 @@ def _usage(response) -> tuple[int, int]:
 
 def test_metadata_reports_the_models_limits(llm, engine):
     metadata = llm.metadata
-    assert metadata.context_window == engine.max_positions == 8192
+    assert metadata.context_window == engine.traits.max_positions == 8192
     assert metadata.num_output == 10 and metadata.is_chat_model and metadata.model_name == MODEL
     # SmolLM2's own chat template renders no tools: LlamaIndex takes its text-only paths.
     assert isinstance(llm, FunctionCallingLLM) and not metadata.is_function_calling_model
@@ -485,7 +485,7 @@ def test_tools_reach_the_engine_in_openai_format_and_greedy_output_is_unchanged(
     expected = tools_engine.generate(ids, max_new_tokens=24)
     assert response.raw["text"] == response.message.content == expected.text
     # Through the engine's kernels, as the demo compares.
-    with FastKernels() if tools_engine.fast_kernels else contextlib.nullcontext():
+    with FastKernels() if tools_engine.traits.kernels else contextlib.nullcontext():
         reference = tools_engine.model.generate(
             torch.tensor([ids]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
         )[0, len(ids) :].tolist()

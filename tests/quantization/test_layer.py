@@ -47,7 +47,7 @@ def test_in_bf16_speculation_is_the_quantized_models_plain_decoding(method, toke
     ids = tokenizer.encode(PROMPTS[0])
     plain = SpeculativeEngine(model, tokenizer, draft_budget=0).generate(ids, max_new_tokens=24).token_ids
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert engine.fast_kernels
+    assert engine.traits.kernels
     assert engine.generate(ids, documents=[tokenizer.decode(plain)], max_new_tokens=24).token_ids == plain
 
 
@@ -78,7 +78,7 @@ def test_a_model_quantized_through_transformers_works_unchanged(kind, tokenizer,
                                                  device_map=DEVICE).eval()  # fmt: skip
     assert type(model.model.layers[0].mlp.up_proj.weight) is not torch.nn.Parameter
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-    assert not engine.fast_kernels  # their tensors run their own kernels
+    assert not engine.traits.kernels  # their tensors run their own kernels
     ids = [tokenizer.encode(p) for p in PROMPTS]
     references = [hf_greedy(model, i, 24) for i in ids]
     alone = engine.generate(ids[0], documents=[tokenizer.decode(references[0])], max_new_tokens=24)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ...decoding import probe
 from ...decoding.budget import CostModel
 from ...decoding.forward import TreeForward
 from ...decoding.kv_cache import keep_cache_entries, make_cache, window_holds
@@ -98,7 +99,7 @@ class DraftModel:
         self.vocab_size = min(self.embedded, vocab_size)
         # Its drafts are only checked: a forward whose logits move with the rows beside it (int8)
         # can still draft through a tree.
-        self.tree_attention, _ = self.forward.supports_tree_attention(exact=False)
+        self.tree_attention = not probe.tree_attention(self.forward, exact=False)
         # Builds the head's common rows here rather than in a generation.
         self.restrict_head()
 
@@ -112,7 +113,7 @@ class DraftModel:
 
     def costs(self) -> CostModel:
         if self.cost_model is None:
-            self.cost_model = CostModel.measure(self.forward.timed(self.tree_attention), self.tree_budget + 1)
+            self.cost_model = CostModel.measure(probe.timed_tree(self.forward, self.tree_attention), self.tree_budget + 1)
         return self.cost_model
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:

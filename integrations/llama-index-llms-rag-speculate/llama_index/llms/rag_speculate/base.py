@@ -122,7 +122,7 @@ class SpeculativeHFLLM(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self._engine.max_positions or DEFAULT_CONTEXT_WINDOW,
+            context_window=self._engine.traits.max_positions or DEFAULT_CONTEXT_WINDOW,
             num_output=self.max_new_tokens,
             is_chat_model=True,
             is_function_calling_model=self._renders_tools(),
