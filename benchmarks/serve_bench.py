@@ -28,7 +28,8 @@ import torch
 from gpu_check import device_name
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.entrypoints.engines import DTYPES, rag_engine
+from rag_speculate.entrypoints.engines import DTYPES, rag_drafters
+from rag_speculate.models.loading import load_model
 from rag_speculate.entrypoints.openai import Server
 from rag_speculate.entrypoints.openai.app import create_app
 from rag_speculate.entrypoints.openai.background import running
@@ -44,10 +45,12 @@ def rag_items(n: int) -> list[dict]:
 
 
 def engines(model: str, dtype: str, draft_model: str | None) -> dict[str, SpeculativeEngine]:
-    base = SpeculativeEngine.from_pretrained(model, dtype=DTYPES[dtype], device="cpu")
+    # Two engines over one model's weights: the baseline is ours without drafting, in the same process.
+    target, tokenizer = load_model(model, dtype=DTYPES[dtype], device="cpu")
+    drafters = rag_drafters(target, tokenizer, draft_model=draft_model)
     return {
-        "speculative": rag_engine(base, None, draft_model, prompt_cache_bytes=0),
-        "plain": SpeculativeEngine(base.model, base.tokenizer, draft_budget=0, name=model, prompt_cache_bytes=0),
+        "speculative": SpeculativeEngine(target, tokenizer, drafters, name=model, prompt_cache_bytes=0),
+        "plain": SpeculativeEngine(target, tokenizer, draft_budget=0, name=model, prompt_cache_bytes=0),
     }
 
 

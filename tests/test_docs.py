@@ -24,6 +24,7 @@ from packaged_fixtures import DOCUMENT, MODEL, QWEN_TOOLS_TEMPLATE
 
 from rag_speculate import SpeculativeEngine
 from rag_speculate.entrypoints import engines
+from rag_speculate.models import loading
 from rag_speculate.entrypoints.openai import Server
 from rag_speculate.entrypoints.openai.app import create_app
 from rag_speculate.entrypoints.openai.background import running
@@ -46,21 +47,23 @@ def page_setup(tmp_path, monkeypatch):
     """A working folder with `my_index`, a server on it, and a fresh engine per name the page loads."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(engines, "_engines", {})
-    loaded = SpeculativeEngine.from_pretrained.__func__
+    loaded = loading.load_model
 
-    def with_tools_template(cls, *args, **kwargs):
-        engine = loaded(cls, *args, **kwargs)
-        engine.tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
-        return engine
+    def with_tools_template(*args, **kwargs):
+        model, tokenizer = loaded(*args, **kwargs)
+        tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
+        return model, tokenizer
 
-    monkeypatch.setattr(SpeculativeEngine, "from_pretrained", classmethod(with_tools_template))
-    engine = engines.shared_engine(MODEL, dtype="auto", device="cpu", draft_budget=None)
+    # Where `SpeculativeEngine.from_pretrained` and the shared engines load a model.
+    monkeypatch.setattr(loading, "load_model", with_tools_template)
+    monkeypatch.setattr(engines, "load_model", with_tools_template)
     documents = [
         Document(id="eiffel", text=DOCUMENT, title="Eiffel Tower"),
         Document(id="warranty", text="The warranty covers parts and labour for two years.", title="Warranty"),
     ]
-    index = CorpusIndex.build(documents, tmp_path / "my_index", tokenizer=engine.tokenizer)
-    with running(create_app(Server(engines.rag_engine(engine, index), MODEL, index))) as url:
+    index = CorpusIndex.build(documents, tmp_path / "my_index", tokenizer=loading.load_tokenizer(MODEL))
+    engine = engines.shared_engine(MODEL, device="cpu", index=index)
+    with running(create_app(Server(engine, MODEL, index))) as url:
         yield url
 
 

@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from ..files.cache import cache_dir
 from ..models.loading import load_tokenizer
 from ..quantization.layer import METHODS
 from ..retrieval.corpus import ChunkingOptions, CorpusIndex, read_corpus
-from .engines import rag_engine
+from .engines import shared_engine
 from .openai.config import BODY_TIMEOUT_S, SEND_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 from .prompt import Prepared, prepare
 from .warm import read_warm_file
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("question")
     ask.add_argument("--embedding-model", default=None, help="the embedding model's folder, for an index built from one (default: the one its manifest names)")
     _add_answer_options(ask)
+    _add_drafting_options(ask)
     _add_cache_options(ask)
     _add_model_options(ask)
     _add_quantization_options(ask)
@@ -66,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--index-dir", type=Path, default=None, help="where to keep the corpus index (default: the model cache)")
     _add_index_options(demo)
     _add_answer_options(demo)
+    _add_drafting_options(demo)
     _add_model_options(demo)
     _add_quantization_options(demo)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--index", type=Path, default=None, help="an index folder: requests may ask to retrieve from it, and the REST drafter drafts from its corpus")
     serve.add_argument("--embedding-model", default=None, help="the embedding model's folder, for an index built from one")
-    serve.add_argument("--draft-model", default=None, help="a small model sharing the target's tokenizer, to draft with too")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: the model's)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     serve.add_argument("--host", default="127.0.0.1")
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--warm", type=Path, default=None,
                        help="a JSON Lines file of prompts to prefill before the first request: each line a string, or an "
                             'object with "prompt" or "messages" and optional "documents"')
+    _add_drafting_options(serve)
     _add_cache_options(serve)
     _add_model_options(serve)
     _add_quantization_options(serve)
@@ -143,8 +146,13 @@ def _add_index_options(parser: argparse.ArgumentParser) -> None:
 def _add_answer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", "--top-k", type=int, default=5, help="chunks retrieved into the prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+
+
+def _add_drafting_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None,
                         help="a small model sharing the target's tokenizer, to draft with too (Ouroboros; int8 on a CPU)")
+    parser.add_argument("--draft-budget", type=int, default=None,
+                        help="draft tokens a generation verifies per step at most; 0: no drafting (default: 16)")
 
 
 def _progress(message: str) -> None:
@@ -169,11 +177,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_ask(args: argparse.Namespace) -> int:
     index = CorpusIndex.load(args.index, embedder=args.embedding_model)
-    # Refused before the weights load: an index of another tokenizer is no use to this model.
-    index.check_tokenizer(load_tokenizer(args.model, progress=_progress), model=args.model)
-    target = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress, quantization=args.quantization)
-    engine = rag_engine(target, index, args.draft_model, _progress, draft_quantization=args.draft_quantization,
-                        prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)  # fmt: skip
+    engine = _engine(args, index, prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)
     result, prepared = _answer(engine, index, args.question, args.top_k, args.max_new_tokens)
     chunks = prepared.sources
     print(f"Question: {args.question}\n\nAnswer:\n{result.text}\n")
@@ -191,13 +195,13 @@ def run_demo(args: argparse.Namespace) -> int:
     question = args.question or questions[args.item].question
     answers = [] if args.question else questions[args.item].answers
 
-    engine = SpeculativeEngine.from_pretrained(args.model, device=args.device, progress=_progress, quantization=args.quantization)
     folder = args.index_dir or cache_dir() / "indexes" / f"nq-{Path(args.model).name}"
     _progress(f"indexing the shipped Natural Questions corpus into {folder} (once; later runs reuse it)")
+    tokenizer = load_tokenizer(args.model, progress=_progress)
     index = CorpusIndex.build(
-        nq_documents(), folder, tokenizer=engine.tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
+        nq_documents(), folder, tokenizer=tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
     )
-    engine = rag_engine(engine, index, args.draft_model, _progress, draft_quantization=args.draft_quantization)
+    engine = _engine(args, index)
     _progress("warming up")
     engine.generate([1, 2, 3], max_new_tokens=4)
     # The first forward over a prompt this long pays one-off allocations, which would fall on
@@ -209,10 +213,10 @@ def run_demo(args: argparse.Namespace) -> int:
     chunks = prepared.sources
     # Through the engine's kernels, as its own forwards run: in bf16 only then is the output promised
     # token for token (docs/design.md, "Losslessness"), and the speed-up is speculation's alone.
-    kernels = " through the same kernels" if engine.fast_kernels else ""
+    kernels = " through the same kernels" if engine.traits.kernels else ""
     _progress(f"answering with plain greedy decoding (model.generate{kernels})")
     plain = timed_generate(engine.model, prepared.request.prompt_ids, args.max_new_tokens,
-                           context=FastKernels if engine.fast_kernels else contextlib.nullcontext)
+                           context=FastKernels if engine.traits.kernels else contextlib.nullcontext)
 
     print(f"Question: {question}\n")
     print(f"Answer (speculative):\n{result.text}\n")
@@ -240,7 +244,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         quantization=args.quantization, draft_quantization=args.draft_quantization,
-        served_name=args.served_model_name, max_queued=args.max_queued, max_batch=args.max_batch, api_key=args.api_key or None,
+        served_name=args.served_model_name, max_queued=args.max_queued, max_batch=args.max_batch, draft_budget=args.draft_budget,
+        api_key=args.api_key or None,
         send_timeout_s=args.send_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         warm=read_warm_file(args.warm) if args.warm else (),
@@ -259,6 +264,12 @@ def run_serve(args: argparse.Namespace) -> int:
     _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1")
     serve(server, config, args.host, args.port)
     return 0
+
+
+def _engine(args: argparse.Namespace, index: CorpusIndex, **options: Any) -> SpeculativeEngine:
+    """The one engine `ask` and `demo` answer with, drafting from the index and the options given."""
+    return shared_engine(args.model, device=args.device, quantization=args.quantization, index=index, draft_model=args.draft_model,
+                         draft_quantization=args.draft_quantization, draft_budget=args.draft_budget, progress=_progress, **options)  # fmt: skip
 
 
 def _answer(engine: SpeculativeEngine, index: CorpusIndex, question: str, k: int, max_new_tokens: int) -> tuple[GenerationResult, Prepared]:

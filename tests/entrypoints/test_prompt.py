@@ -15,7 +15,7 @@ from packaged_fixtures import DOCUMENT, MODEL, QWEN_TOOLS_TEMPLATE
 
 from rag_speculate import InvalidArgumentError, SpeculativeEngine
 from rag_speculate.entrypoints.cli import main
-from rag_speculate.entrypoints.engines import rag_engine, shared_engine
+from rag_speculate.entrypoints.engines import shared_engine
 from rag_speculate.entrypoints.openai import Server
 from rag_speculate.entrypoints.openai.app import create_app
 from rag_speculate.entrypoints.openai.background import running
@@ -68,7 +68,7 @@ def _langchain(messages: list[dict]) -> list:
 
 def test_a_question_over_retrieved_chunks_gives_one_prompt_through_every_entrance(engine, index, prompts, capsys):
     assert main(["ask", str(index.path), QUESTION, "-k", "2", "--max-new-tokens", "2", "--model", MODEL, "--threads", "1"]) == 0
-    with running(create_app(Server(rag_engine(engine, index), MODEL, index))) as url:
+    with running(create_app(Server(shared_engine(MODEL, dtype="float32", device="cpu", index=index), MODEL, index))) as url:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=2,
                                        extra_body={"retrieve": 2})

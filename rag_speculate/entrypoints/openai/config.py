@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ...engine import SpeculativeEngine
 from ...retrieval.corpus import CorpusIndex
-from ..engines import rag_engine, shared_engine
+from ..engines import shared_engine
 from ..warm import WarmPrompt, warm
 
 # A request body larger than this is refused before it is parsed.
@@ -29,7 +29,8 @@ class ServerConfig:
     engine beyond the one it runs, after which the server answers 503; `api_key`: what clients must
     send as `Authorization: Bearer KEY` (None: no key); the timeouts: `app.create_app`'s and, on
     SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish;
-    `max_batch`: generations the engine runs together (None: its default; `SpeculativeEngine`);
+    `max_batch`: generations the engine runs together and `draft_budget`: draft tokens a sequence
+    verifies per step at most (None: the defaults; `SpeculativeEngine`);
     `quantization` and `draft_quantization`: as `SpeculativeEngine.from_pretrained` takes them;
     `prompt_cache_dir` and `prompt_cache_disk_bytes`: the prompt cache's disk tier, one folder every
     replica shares; `warm`: prompts prefilled before the first request (`entrypoints/warm.py`)."""
@@ -43,6 +44,7 @@ class ServerConfig:
     served_name: str | None = None
     max_queued: int = 16
     max_batch: int | None = None
+    draft_budget: int | None = None
     quantization: str | None = None
     draft_quantization: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
@@ -68,12 +70,11 @@ def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     """The engine (drafting from the request's documents, the index's corpus and the draft model)
     and the index, loaded and verified, and the warm prompts prefilled, before the server takes a
     request."""
-    base = shared_engine(config.model, dtype=config.dtype, device=config.device, draft_budget=None, quantization=config.quantization)
-    index = None
-    if config.index is not None:
-        index = CorpusIndex.load(config.index, tokenizer=base.tokenizer, embedder=config.embedding_model)
-    engine = rag_engine(base, index, config.draft_model, prompt_cache_dir=config.prompt_cache_dir,
-                        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes, max_batch=config.max_batch,
-                        draft_quantization=config.draft_quantization)  # fmt: skip
+    index = None if config.index is None else CorpusIndex.load(config.index, embedder=config.embedding_model)
+    engine = shared_engine(
+        config.model, dtype=config.dtype, device=config.device, quantization=config.quantization, index=index,
+        draft_model=config.draft_model, draft_quantization=config.draft_quantization, max_batch=config.max_batch,
+        draft_budget=config.draft_budget, prompt_cache_dir=config.prompt_cache_dir, prompt_cache_disk_bytes=config.prompt_cache_disk_bytes,
+    )  # fmt: skip
     warm(engine, config.warm)
     return engine, index
