@@ -146,3 +146,40 @@ def test_serve_answers_over_http_and_retrieves_from_its_index(index, tmp_path):
         process.terminate()
         process.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture
+def bad_gguf(tmp_path):
+    """The packaged model's GGUF file cut to its first 4 KiB: its tensor table claims far more than is there."""
+    from rag_speculate.models.gguf_file import gguf_path
+
+    path = tmp_path / "BAD.gguf"
+    with gguf_path(MODEL).open("rb") as file:
+        path.write_bytes(file.read(4096))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("command", "quantization"),
+    [("serve", []), ("serve", ["--quantization", "gguf"]), ("ask", []), ("ask", ["--quantization", "int8"])],
+)
+def test_a_bad_model_file_is_one_line_naming_it_and_fails_the_command(index, bad_gguf, command, quantization):
+    """As users run it, its own process: the error the loader raises, printed once, no traceback."""
+    import subprocess
+    import sys
+
+    where = ["ask", str(index), "Who owns Reading Football Club?"] if command == "ask" else ["serve"]
+    argv = [sys.executable, "-m", "rag_speculate", *where, "--model", str(bad_gguf), "--device", "cpu", *quantization]
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 1 and child.stdout == ""
+    assert "Traceback" not in child.stderr
+    # Importing torch and its extensions may log lines of their own first: the command's are counted.
+    ours = [line for line in child.stderr.splitlines() if line.startswith("rag-speculate")]
+    assert ours == [child.stderr.splitlines()[-1]]
+    assert ours[0].startswith(f"rag-speculate {command}: {bad_gguf} is not a usable GGUF file: truncated or damaged")
+
+
+def test_demo_with_a_bad_model_file_fails_in_one_line_naming_it(bad_gguf, tmp_path, capsys):
+    assert main(["demo", "--index-dir", str(tmp_path / "nq"), "--model", str(bad_gguf), "--threads", "1"]) == 1
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"rag-speculate demo: {bad_gguf} is not a usable GGUF file")
