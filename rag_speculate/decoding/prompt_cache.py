@@ -91,7 +91,8 @@ class PromptCacheStats:
     # blocks, against the prefill seconds their tokens would have taken (at the prefill rate measured
     # so far: 0 until this engine has prefilled at least a few dozen tokens at once);
     # loads not made because prefilling was predicted faster; blocks written, failed writes, blocks
-    # the writer's queue had no room for, blocks that failed verification, blocks evicted.
+    # the writer's queue had no room for, blocks that failed verification (and were removed), blocks
+    # evicted, and entries at a block's name the tier may not remove (another user's, a FIFO, a link).
     disk_bytes: int = 0
     disk_max_bytes: int = 0
     disk_load_s: float = 0.0
@@ -102,6 +103,7 @@ class PromptCacheStats:
     disk_writes_dropped: int = 0
     disk_blocks_rejected: int = 0
     disk_blocks_evicted: int = 0
+    disk_entries_refused: int = 0
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,7 @@ class PromptCache:
             stats.disk_bytes, stats.disk_max_bytes = disk.bytes, disk.max_bytes
             stats.disk_blocks_written, stats.disk_write_failures = disk.blocks_written, disk.write_failures
             stats.disk_writes_dropped, stats.disk_blocks_rejected = disk.writes_dropped, disk.blocks_rejected
-            stats.disk_blocks_evicted = disk.blocks_evicted
+            stats.disk_blocks_evicted, stats.disk_entries_refused = disk.blocks_evicted, disk.entries_refused
         return stats
 
     def clear(self) -> None:

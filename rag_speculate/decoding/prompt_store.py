@@ -13,13 +13,20 @@ Invariants:
 - a file at a block's name is whole: it is written under a temporary name beside it and renamed into
   place (`files.durable.atomic_write_bytes`), so a killed writer leaves at most a temporary file,
   which is never read and is removed once its process is dead;
-- a block is used only once it verifies (`_check`): the file is ours (our user's or root's, not
-  writable by every user); its header's length fits the file; the header, parsed by us and bounded,
-  names the format and version, the identity, the chain hash, the parent hash and the token ids
-  asked for, and exactly the tensors the model's cache has, in its shape and dtype, tiling the data;
-  a sha256 over the tensors' names and bytes matches. Anything else is a miss with one log line, and
-  a damaged block is removed: its name can only ever hold one content, and writers skip names that
-  exist, so a bad file left in place would keep its prefix a miss for good;
+- a block is used only once it verifies (`_verified`): it is a regular file (not a link, a folder
+  or a FIFO) and ours (our user's or root's, not writable by every user); its header's length fits
+  the file; the header, parsed by us and bounded, names the format and version, the identity, the
+  chain hash, the parent hash and the token ids asked for, and exactly the tensors the model's cache
+  has, in its shape and dtype, tiling the data; a sha256 over the tensors' names and bytes matches.
+  Anything else is a miss with one log line;
+- the tier leaves nothing it cannot use: a name can only ever hold one content, and writers skip
+  names that exist, so an entry left at a block's name would keep its prefix a miss for good. One
+  that fails is removed where it is ours to remove (a file or folder of this user's: damaged,
+  truncated, writable by every user), and its block is written again by the next write-through;
+  anything else there (another user's, a FIFO, a link) is left as it is, reported once and counted
+  (`entries_refused`);
+- what the tier creates is private to its user, folders 0700 and blocks 0600: a block's entries
+  are its prompt in another form;
 - no locks: processes share a folder through content-addressed names and atomic renames; two writers
   of one block write entries for the same tokens and the last rename wins, and a block that vanishes
   between a look and a read is a miss;
@@ -44,6 +51,8 @@ import os
 import platform
 import queue
 import re
+import shutil
+import stat
 import threading
 import time
 import weakref
@@ -89,6 +98,8 @@ _PREFIX_FOLDER = re.compile(r"[0-9a-f]{2}")
 _METADATA = fields({"format": text(), "version": text(), "identity": SHA256, "hash": SHA256, "parent": SHA256,
                     "tokens": text(), "checksum": SHA256})  # fmt: skip
 _SCAN, _STOP = object(), object()
+# A block is read through neither a link nor a FIFO's wait for a writer: what is opened is checked first.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 Block = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [1, heads, block_tokens, head_dim]
 
@@ -123,7 +134,8 @@ class StoreStats:
     blocks_written: int = 0
     write_failures: int = 0  # writes that could not happen (a full disk, no permission)
     writes_dropped: int = 0  # blocks the writer's queue had no room for
-    blocks_rejected: int = 0  # blocks that failed verification (damaged, truncated, foreign)
+    blocks_rejected: int = 0  # blocks that failed verification (damaged, truncated, foreign) and were removed
+    entries_refused: int = 0  # entries at a block's name not ours to remove (another user's, a FIFO, a link), each once
     blocks_evicted: int = 0
 
 
@@ -243,9 +255,25 @@ class PromptStore:
     def present(self, hashes: Sequence[str], first: int) -> int:
         """How many blocks from `first` on are on disk in a row (a later read may still miss)."""
         count = 0
-        while first + count < len(hashes) and self.path(hashes[first + count]).is_file():
+        while first + count < len(hashes) and self._look(hashes[first + count]):
             count += 1
         return count
+
+    def _look(self, block: str) -> bool | None:
+        """Whether a file we may read is at `block`'s name: True; False when nothing is (an entry we
+        must not read was there and is removed); None when something we leave is there."""
+        path = self.path(block)
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            return False
+        except OSError as error:  # its prefix folder is not one we can search: nothing to write there either
+            self._report(block, logging.WARNING, "prompt cache: cannot read block %s: %s", path, os_reason(error))
+            return None
+        problem = untrusted(info, regular_file=True)
+        if not problem:
+            return True
+        return False if self._unusable(path, block, info, f"it {problem}") else None
 
     def flush(self) -> None:
         """Wait until every write queued so far is done (or has failed)."""
@@ -257,26 +285,31 @@ class PromptStore:
         """Block `index` of `tokens` (whose chain is `hashes`), verified, on the CPU; None for a miss."""
         block, path = hashes[index], self.path(hashes[index])
         try:
-            with path.open("rb") as file:
-                info = os.fstat(file.fileno())
+            fd = os.open(path, _READ_FLAGS)
+            try:
+                info = os.fstat(fd)
                 problem = untrusted(info, regular_file=True)
-                if problem:
-                    self._report(block, logging.WARNING, "prompt cache: ignoring block %s: it %s", path, problem)
-                    return None
-                data = bytearray(min(info.st_size, 8 + _MAX_HEADER + self.shape.data_bytes))
-                read = file.readinto(data)
+                if not problem:
+                    data = bytearray(min(info.st_size, 8 + _MAX_HEADER + self.shape.data_bytes))
+                    with open(fd, "rb", closefd=False) as file:
+                        read = file.readinto(data)
+            finally:
+                os.close(fd)
         except FileNotFoundError:  # evicted, or never written: a miss
             return None
-        except OSError as error:
-            self._report(block, logging.WARNING, "prompt cache: cannot read block %s: %s", path, os_reason(error))
+        except OSError as error:  # a link (O_NOFOLLOW refuses it) is removed or left as any such entry
+            if self._look(block):  # a file we may read, and cannot
+                self._report(block, logging.WARNING, "prompt cache: cannot read block %s: %s", path, os_reason(error))
             return None
         span = slice(index * self.block_tokens, (index + 1) * self.block_tokens)
         try:
+            if problem:
+                raise _Unusable(f"it {problem}")
             if read != info.st_size:
                 raise _Unusable(f"it is {info.st_size} bytes, not a block's")
             offsets = self._verified(data, block, hashes[index - 1] if index else self.identity, tokens[span])
-        except _Unusable as problem:
-            self._reject(path, block, str(problem))
+        except _Unusable as unusable:
+            self._unusable(path, block, info, str(unusable))
             return None
         try:
             os.utime(path)  # recently used: the last to be evicted
@@ -342,20 +375,32 @@ class PromptStore:
             raise _Unusable("its checksum does not match its tensors (damaged)")
         return {name: base + first for first, _, name in spans}
 
-    def _reject(self, path: Path, block: str, problem: str) -> None:
-        with self._lock:
-            self._stats.blocks_rejected += 1
-        self._report(
-            block,
-            logging.WARNING,
-            "prompt cache: block %s is unusable (%s); removed, its tokens are prefilled",
-            path,
-            problem,
-        )
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
+    def _unusable(self, path: Path, block: str, info: os.stat_result, problem: str) -> bool:
+        """Deal with what is at `block`'s name (`info`, from lstat or fstat) and must not be read, as
+        `problem` says: removed when it is ours to remove, a file or folder of this user's, so the name
+        is free for the block; else left, reported once and counted. Whether the name is free."""
+        kind = stat.S_IFMT(info.st_mode)
+        if info.st_uid == os.getuid() and kind in (stat.S_IFREG, stat.S_IFDIR):
+            try:
+                if kind == stat.S_IFDIR:
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+            except FileNotFoundError:  # another process removed it first
+                return True
+            except OSError as error:
+                problem = f"{problem}, and removing it failed: {os_reason(error)}"
+            else:
+                with self._lock:
+                    self._stats.blocks_rejected += 1
+                self._report(block, logging.WARNING, "prompt cache: block %s is unusable (%s); removed, its tokens "
+                             "are prefilled", path, problem)  # fmt: skip
+                return True
+        message = "prompt cache: leaving %s as it is (%s): not this user's to remove; its block's tokens are prefilled"
+        if self._report(f"left {block}", logging.WARNING, message, path, problem):
+            with self._lock:
+                self._stats.entries_refused += 1
+        return False
 
     # --- writes: copied on the engine's thread, written on the store's --------------------------
 
@@ -379,13 +424,17 @@ class PromptStore:
         hashes = self.hashes(tokens)
         for index, block in enumerate(hashes):
             path = self.path(block)
-            try:
-                os.utime(path)
+            there = self._look(block)
+            if there is None:  # something left in its place: nothing to write it over
                 continue
-            except FileNotFoundError:
-                pass
-            except OSError:  # there, but not ours to touch
-                continue
+            if there:
+                try:
+                    os.utime(path)
+                    continue
+                except FileNotFoundError:  # evicted meanwhile: written again
+                    pass
+                except OSError:  # there, but not ours to touch
+                    continue
             with self._lock:
                 if block in self._pending:
                     continue
@@ -417,7 +466,9 @@ class PromptStore:
                     "parent": item.parent, "tokens": json.dumps(list(item.tokens)), "checksum": checksum}  # fmt: skip
         data = safetensors_bytes(item.tensors, metadata)
         try:
-            atomic_write_bytes(item.path, data)
+            for folder in (self._root, item.path.parent):  # one by one: with `parents`, the first would be 0777
+                folder.mkdir(mode=0o700, exist_ok=True)
+            atomic_write_bytes(item.path, data, mode=0o600)
         except OSError as error:
             with self._lock:
                 self._stats.write_failures += 1
@@ -463,13 +514,15 @@ class PromptStore:
             self._stats.bytes = total
             self._stats.blocks_evicted += evicted
 
-    def _report(self, key: str, level: int, message: str, *args: Any) -> None:
-        """Log `message` once per `key` in this process: a bad block or a failing disk is one line."""
+    def _report(self, key: str, level: int, message: str, *args: Any) -> bool:
+        """Log `message` once per `key` in this process: a bad block or a failing disk is one line.
+        Whether it was logged now."""
         with self._lock:
             if key in self._reported:
-                return
+                return False
             self._reported.add(key)
         logger.log(level, message, *args)
+        return True
 
 
 def _checksum(tensors: dict[str, Any]) -> str:

@@ -53,20 +53,20 @@ def sibling(path: Path, kind: str) -> Path:
     return path.with_name(f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex}.{kind}")
 
 
-def write_new_file(file: Path, data: bytes) -> None:
-    """Create `file` (it must not exist) and make its content durable."""
-    with file.open("xb") as out:
+def write_new_file(file: Path, data: bytes, mode: int = 0o666) -> None:
+    """Create `file` (it must not exist) with `mode`, less the umask, and make its content durable."""
+    with open(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), mode), "wb") as out:
         out.write(data)
         out.flush()
         os.fsync(out.fileno())
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` in one rename."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Replace `path` with `data` in one rename, a file of `mode` less the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling(path, "tmp")
     try:
-        write_new_file(tmp, data)
+        write_new_file(tmp, data, mode)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

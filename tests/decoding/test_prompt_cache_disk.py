@@ -1,11 +1,14 @@
 """The prompt cache's disk tier through the engine: a restarted engine (a new model object, the same
 weights) answers from disk exactly as from memory and as cold; a damaged, truncated or foreign block
-is a miss with one log line, never another answer; warming fills the folder; the load-or-prefill
+is a miss with one log line, never another answer, and removed; an entry at a block's name that is not
+ours to remove is a miss, reported once and counted; warming fills the folder; the load-or-prefill
 rule skips loads that would be slower; bad options are named."""
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 
 import pytest
 from conftest import hf_greedy, tiny_model
@@ -92,6 +95,33 @@ def test_a_damaged_block_is_a_miss_with_one_log_line_and_the_answer_is_unchanged
     assert len(blocks(tmp_path)) == len(files)
     assert ask(engine_for(tmp_path, tokenizer=tokenizer), ids).stats.disk_cached_prompt_tokens == (len(ids) - 1) // 64 * 64
 
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "another user's block"])
+def test_an_entry_not_ours_to_remove_is_a_miss_reported_once_and_counted(tmp_path, tokenizer, caplog, kind):
+    if kind == "another user's block" and os.getuid() != 0:
+        pytest.skip("giving a file to another user takes root")
+    ids = tokenizer.encode(PROMPT)
+    reference = ask(engine_for(tmp_path, tokenizer=tokenizer), ids).token_ids
+    engine = SpeculativeEngine(tiny_model("llama"), tokenizer, prompt_cache_dir=tmp_path)
+    store = engine.prompt_cache.store
+    left = store.path(store.hashes(ids)[1])  # the second block: the first still loads
+    if kind == "a FIFO":
+        left.unlink()
+        os.mkfifo(left, 0o600)
+    else:
+        os.chown(left, 12345, 12345)
+    with caplog.at_level(logging.WARNING, logger="rag_speculate"):
+        for again in (False, True):  # the disk tier asked twice: the memory tier cleared in between
+            engine.prompt_cache.clear()
+            result = ask(engine, ids)
+            assert result.token_ids == reference
+            # The block before it (the second time, loading may be predicted slower than prefilling).
+            assert again or result.stats.disk_cached_prompt_tokens == DEFAULT_BLOCK_TOKENS
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("rag_speculate")]
+    assert len(lines) == 1 and str(left) in lines[0]
+    assert engine.prompt_cache.stats().disk_entries_refused == 1
+    assert (stat.S_ISFIFO if kind == "a FIFO" else stat.S_ISREG)(left.lstat().st_mode)  # left as it was
 
 def test_another_models_blocks_are_never_read(tmp_path, tokenizer):
     ids = tokenizer.encode(PROMPT)

@@ -1,12 +1,17 @@
 """The prompt cache's disk tier on its own: blocks round-trip exactly and prefixes share them; two
 processes writing the same and overlapping prefixes at once, or one killed mid-write, leave only
 blocks that load and hold the right entries; leftover temporary files are never read and are
-cleaned up; the folder's budget holds, least recently used blocks going first."""
+cleaned up; the folder's budget holds, least recently used blocks going first; everything it creates
+is private to its user; an entry at a block's name that fails is removed when it is ours to remove and
+the block written again, and anything else there left, reported once and counted."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,6 +19,7 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from rag_speculate.decoding.prompt_store import BlockShape, PromptStore, block_hashes
@@ -196,3 +202,105 @@ def test_a_full_disk_is_a_log_line_not_an_error(small_disk, caplog):
     assert len([r for r in caplog.records if "cannot write blocks" in r.getMessage()]) == 1
     assert not block_files(small_disk)  # and no temporary file left behind
     assert not [p for p in small_disk.rglob("*") if p.is_file()]
+
+
+def test_everything_the_store_creates_is_private_to_its_user(tmp_path):
+    previous = os.umask(0o022)  # the usual umask, which would leave folders 0755 and files 0644
+    try:
+        disk = store(tmp_path / "cache")
+        tokens = list(range(2, 2 + SHAPE.tokens))
+        disk.save(tokens, layers_of(tokens))
+        disk.flush()
+    finally:
+        os.umask(previous)
+    block = disk.path(disk.hashes(tokens)[0])
+    modes = {path: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "cache", block.parent.parent, block.parent)}
+    assert modes == dict.fromkeys(modes, 0o700) and stat.S_IMODE(block.stat().st_mode) == 0o600
+
+
+def _bad_entry(path: Path, kind: str) -> None:
+    """Put what `kind` names at a block's name, in place of its block."""
+    if kind == "a damaged block":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+        return
+    path.unlink()
+    if kind == "a file every user may write":
+        path.write_bytes(b"anything")
+        path.chmod(0o666)
+    elif kind in ("a folder", "another user's folder"):
+        (path / "inside").mkdir(parents=True)
+    elif kind == "a FIFO":
+        os.mkfifo(path, 0o600)
+    elif kind == "a symbolic link":
+        path.symlink_to(path.parent)
+    elif kind == "another user's file":
+        path.write_bytes(b"anything")
+    if kind.startswith("another user's"):
+        os.chown(path, 12345, 12345, follow_symlinks=False)
+
+
+# What may be removed: a file or a folder of this user's (the tests run as the folder's owner).
+OURS = ["a damaged block", "a file every user may write", "a folder"]
+# What is left: another user's, and what is neither a file nor a folder.
+NOT_OURS = ["a FIFO", "a symbolic link", "another user's file", "another user's folder"]
+
+
+def _needs_root(kind: str) -> None:
+    if kind.startswith("another user's") and os.getuid() != 0:
+        pytest.skip("giving a file to another user takes root")
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_an_entry_of_ours_that_fails_is_removed_and_the_block_written_again(tmp_path, caplog, kind):
+    disk = store(tmp_path)
+    tokens = list(range(2, 2 + 3 * SHAPE.tokens))
+    disk.save(tokens, layers_of(tokens))
+    disk.flush()
+    hashes = disk.hashes(tokens)
+    path = disk.path(hashes[1])
+    _bad_entry(path, kind)
+    with caplog.at_level(logging.WARNING, logger="rag_speculate"):
+        # A damaged block is found on reading it; anything else already on looking.
+        run = disk.present(hashes, 0)
+        assert (run, disk.load(tokens, hashes, 1)) == ((3, None) if kind == "a damaged block" else (1, None))
+        assert not os.path.lexists(path)
+        disk.save(tokens, layers_of(tokens))  # the write-through after the answer
+        disk.flush()
+    assert disk.present(hashes, 0) == 3
+    expect_block(disk.load(tokens, hashes, 1), tokens, 1)
+    stats = disk.stats()
+    assert (stats.blocks_rejected, stats.entries_refused, stats.blocks_written) == (1, 0, 4)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("rag_speculate")]
+    assert len(lines) == 1 and str(path) in lines[0] and "removed" in lines[0]
+
+
+@pytest.mark.parametrize("kind", NOT_OURS)
+def test_an_entry_not_ours_to_remove_is_left_reported_once_and_counted(tmp_path, caplog, kind):
+    _needs_root(kind)
+    disk = store(tmp_path)
+    tokens = list(range(2, 2 + 3 * SHAPE.tokens))
+    hashes = disk.hashes(tokens)
+    path = disk.path(hashes[1])
+    disk.save(tokens, layers_of(tokens))
+    disk.flush()
+    _bad_entry(path, kind)
+    before = path.lstat()
+    with caplog.at_level(logging.WARNING, logger="rag_speculate"):
+        for _ in range(3):  # a prefix asked for again and again: one line, one count
+            assert disk.present(hashes, 0) == 1
+            assert disk.load(tokens, hashes, 1) is None  # and a FIFO does not keep the read waiting
+            disk.save(tokens, layers_of(tokens))
+            disk.flush()
+    after = path.lstat()
+    assert (after.st_ino, after.st_mode, after.st_uid) == (before.st_ino, before.st_mode, before.st_uid)
+    expect_block(disk.load(tokens, hashes, 0), tokens, 0)
+    expect_block(disk.load(tokens, hashes, 2), tokens, 2)
+    stats = disk.stats()
+    assert (stats.entries_refused, stats.blocks_rejected, stats.blocks_written) == (1, 0, 3)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("rag_speculate")]
+    reason = {"a FIFO": "a FIFO", "a symbolic link": "a symbolic link", "another user's folder": "a folder"}.get(
+        kind, "owned by another user (uid 12345)"
+    )
+    assert len(lines) == 1 and str(path) in lines[0] and reason in lines[0], lines

@@ -43,7 +43,8 @@ _METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] 
     "prompt_cache_bytes": ("gauge", "Bytes the prompt cache holds, by tier (the disk's folder as last scanned)", ("tier",), None),
     "prompt_cache_disk_load_seconds_total": ("counter", "Seconds spent loading prompt cache blocks from disk", (), None),
     "prompt_cache_disk_saved_seconds": ("gauge", "Prefill seconds the tokens read from disk would have taken", (), None),
-    "prompt_cache_disk_blocks_total": ("counter", "Prompt cache blocks on disk by outcome: written, failed, dropped, rejected, evicted",
+    "prompt_cache_disk_blocks_total": ("counter", "Prompt cache blocks on disk by outcome: written, failed, dropped, "
+                                       "rejected, evicted, refused (an entry at a block's name not ours to remove)",
                                        ("outcome",), None),
     "prompt_cache_disk_loads_skipped_total": ("counter", "Disk loads not made because prefilling was predicted faster", (), None),
 }
@@ -118,6 +119,7 @@ class Metrics:
             ("prompt_cache_disk_blocks_total", {"outcome": "dropped"}, stats.disk_writes_dropped),
             ("prompt_cache_disk_blocks_total", {"outcome": "rejected"}, stats.disk_blocks_rejected),
             ("prompt_cache_disk_blocks_total", {"outcome": "evicted"}, stats.disk_blocks_evicted),
+            ("prompt_cache_disk_blocks_total", {"outcome": "refused"}, stats.disk_entries_refused),
         ]
         for name, tags, total in totals:
             seen = (name, *tags.values())
