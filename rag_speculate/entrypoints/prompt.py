@@ -188,7 +188,8 @@ def json_instruction(response_format: Any) -> str | None:
         return None
     if kind == "json_object":
         return "Answer with one JSON object and nothing else."
-    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    json_schema = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
     if not isinstance(schema, dict):
         raise InvalidArgumentError(
             'response_format must be {"type": "json_object"}, {"type": "text"} or {"type": "json_schema", '

@@ -134,20 +134,72 @@ def _calls(bodies: Sequence[str], rest: str, text: str) -> ParsedToolCalls:
 MAX_NESTING = 64
 
 
+def unencodable(value: Any) -> tuple[list[str | int], str] | None:
+    """Text in JSON data `value` (its strings and its objects' keys) that is not valid Unicode: the
+    keys and indexes that lead to it (a bad key last, escaped) and why; None if there is none. A lone
+    surrogate is such text: JSON's \\ud800 escape writes one, and no UTF-8 encoder, chat template or
+    tokenizer can read it, so it is refused before anything else reads the data."""
+    stack: list[tuple[list[str | int], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str) and (error := _encoding_error(item)):
+            return path, f"{error.reason} at position {error.start}"
+        if isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and (error := _encoding_error(key)):
+                    escaped = key.encode(errors="backslashreplace").decode()
+                    return [*path, escaped], f"{error.reason} at position {error.start} of the key"
+            stack.extend(([*path, key], inner) for key, inner in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend(([*path, i], inner) for i, inner in reversed(list(enumerate(item))))
+    return None
+
+
+def _encoding_error(text: str) -> UnicodeEncodeError | None:
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        return error
+    return None
+
+
 def template_tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
     """A call an assistant turn made, in the shape chat templates render: {"id", "type": "function",
     "function": {"name", "arguments": {...}}}. OpenAI's API carries the arguments as a JSON string,
-    which a template would print quoted: they are read back into an object here."""
+    which a template would print quoted: they are read back into an object here. `where` names the
+    call ("messages.1.tool_calls.0"); an `InvalidArgumentError` names the field at fault under it
+    (`.argument`: "messages.1.tool_calls.0.function.arguments")."""
+    field_ = f"{where}.function.arguments"
     if isinstance(arguments, str):
+        _check_unicode(arguments, field_)  # before the nesting scan and the parser, which encode it
         if too_deep(arguments, MAX_NESTING):
-            raise InvalidArgumentError(f"{where} ({name!r}) has arguments nested more than {MAX_NESTING} levels deep")
+            raise InvalidArgumentError(
+                f"{where} ({name!r}) has arguments nested more than {MAX_NESTING} levels deep", field_
+            )
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"{where} ({name!r}) has arguments that are not valid JSON: {exc.msg}") from None
+        except ValueError as exc:  # a JSONDecodeError, or a number too long to read
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else exc
+            raise InvalidArgumentError(
+                f"{where} ({name!r}) has arguments that are not valid JSON: {reason}", field_
+            ) from None
     if not isinstance(name, str) or not isinstance(arguments, dict):
-        raise InvalidArgumentError(f"{where} needs a string name and an object of arguments, got {name!r} and {arguments!r}")
+        raise InvalidArgumentError(
+            f"{where} needs a string name and an object of arguments, got {name!r} and {arguments!r}",
+            f"{where}.function",
+        )
+    _check_unicode(name, f"{where}.function.name")
+    _check_unicode(arguments, field_)  # as parsed: its escapes may write a lone surrogate
+    _check_unicode(call_id, f"{where}.id")
     return {"id": call_id or where, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _check_unicode(value: Any, field_: str) -> None:
+    found = unencodable(value)
+    if found is not None:
+        path, reason = found
+        inside = f" at {'.'.join(map(str, path))}" if path else ""
+        raise InvalidArgumentError(f"{field_} is not valid Unicode text{inside} ({reason})", field_)
 
 
 def call_id_prefix(messages: list[dict], text: str) -> str:

@@ -7,7 +7,8 @@ two extension fields: `acceleration` (what speculation did: the engine's Generat
 the request asked the server to retrieve, `sources` (the chunks the answer was given). Errors have
 OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 naming the field at fault, 401
 without the API key the server was started with, 408 for a body that arrives too slowly, 413 for a
-body over the size limit, 503 with Retry-After when the queue is full or the server shuts down.
+body over the size limit, 503 with Retry-After when the queue is full or the server shuts down, 500
+for a failure of the server's own (on a connection left open for the client's next request).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from ...retrieval.documents import Chunk
 from ..tool_calls import MAX_NESTING, HeldText
 from .admission import Unavailable
 from .config import BODY_TIMEOUT_S, MAX_BODY_BYTES, SEND_TIMEOUT_S
-from .protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest, UnsupportedField
-from .server import Job, RequestError, Server, finish_reason
+from .protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest, RequestError
+from .server import Job, Server, finish_reason
 
 # What a client refused for a full queue is told to wait before trying again.
 RETRY_AFTER_S = 1
@@ -297,8 +298,8 @@ def _error_handlers(app: FastAPI) -> None:
         if error["type"] == "json_invalid":
             return _error(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None, 400)
         cause = error.get("ctx", {}).get("error")
-        if isinstance(cause, UnsupportedField):
-            return _error(str(cause), cause.field, 400, "unsupported_parameter")
+        if isinstance(cause, RequestError):
+            return _error(str(cause), cause.param, 400, cause.code)
         # loc is ("body", field, index, ..., then the union member tried, e.g. "list[str]"): the
         # field's path, as OpenAI names nested fields ("messages.0.content").
         path = []
@@ -317,7 +318,7 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, exc: RequestError) -> JSONResponse:
-        return _error(str(exc), exc.param, 400)
+        return _error(str(exc), exc.param, 400, exc.code)
 
     @app.exception_handler(Unavailable)
     async def overloaded(_: Request, exc: Unavailable) -> JSONResponse:
@@ -335,8 +336,8 @@ def _error_handlers(app: FastAPI) -> None:
 class _Guard:
     """ASGI middleware, before anything parses a request: refuses one without the API key (401), a
     body that arrives too slowly (408), one over the size limit (413) and one nested too deep for
-    the parser and the chat templates (400, naming the field); counts every answer in the metrics
-    by endpoint and status."""
+    the parser and the chat templates (400, naming the field); answers what fails after it with a 500
+    in OpenAI's shape; counts every answer in the metrics by endpoint and status."""
 
     def __init__(self, app: ASGIApp, server: Server, max_body_bytes: int, api_key: str | None, body_timeout_s: float):
         self.app, self.server, self.limit, self.body_timeout_s = app, server, max_body_bytes, body_timeout_s
@@ -345,12 +346,12 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
+        status, started = 500, False
 
         async def counted(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
@@ -374,7 +375,16 @@ class _Guard:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
 
-            await self.app(scope, replay, counted)
+            try:
+                await self.app(scope, replay, counted)
+            except Exception:
+                if started:  # the answer has begun: only closing the connection can end it
+                    raise
+                # A 500 in OpenAI's shape, sent here rather than by Starlette, which would then close
+                # the connection under the client's next request.
+                logger.exception("a request failed")
+                failed = _error("the server failed to answer this request; the failure is logged", None, 500)
+                await failed(scope, replay, counted)
         finally:
             path = scope["path"]
             self.server.metrics.request(path if path in ENDPOINTS else "other", status)

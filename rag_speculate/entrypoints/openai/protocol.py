@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ...engine.inputs import MAX_DOCUMENT_CHARS
-from ..tool_calls import template_tool_call
+from ..tool_calls import template_tool_call, unencodable
 
 # Chat messages whose "developer" role (OpenAI's newer name for system) chat templates do not know.
 ROLE_ALIASES = {"developer": "system"}
@@ -50,9 +50,10 @@ class Message(BaseModel):
             raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
         return self
 
-    def template_message(self) -> dict[str, Any]:
-        """The message as chat templates read it: plain text content, and the tool calls with their
-        arguments as objects (`InvalidArgumentError` if they are not JSON)."""
+    def template_message(self, where: str) -> dict[str, Any]:
+        """The message (`where`: its place, "messages.1") as chat templates read it: plain text content,
+        and the tool calls with their arguments as objects (`InvalidArgumentError` naming the field if
+        they are not JSON)."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         out: dict[str, Any] = {"role": ROLE_ALIASES.get(self.role, self.role), "content": text}
         for key in ("name", "tool_call_id"):
@@ -61,7 +62,7 @@ class Message(BaseModel):
         if self.tool_calls:
             functions = [call.get("function") if isinstance(call.get("function"), dict) else {} for call in self.tool_calls]
             out["tool_calls"] = [
-                template_tool_call(call.get("id"), f.get("name"), f.get("arguments", {}), f"tool_calls[{j}]")
+                template_tool_call(call.get("id"), f.get("name"), f.get("arguments", {}), f"{where}.tool_calls.{j}")
                 for j, (call, f) in enumerate(zip(self.tool_calls, functions))
             ]
         return out
@@ -103,6 +104,19 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        """Refuse text that is not valid Unicode anywhere in the body, naming where, before any field
+        is read: nothing after this point (the messages, which a tool call's arguments are parsed from,
+        the tools, the schemas, the stop strings, the documents, the error messages) has to expect it."""
+        found = unencodable(data)
+        if found is not None:
+            path, reason = found
+            field = ".".join(map(str, path)) or None
+            raise RequestError(field, f"{field or 'the body'} is not valid Unicode text ({reason})")
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop_entries(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -134,7 +148,8 @@ class _Common(BaseModel):
         } | self._more_neutral()
         for name, allowed in neutral.items():
             if getattr(self, name) not in allowed:
-                raise UnsupportedField(name, f"{name}={getattr(self, name)!r} is not supported by this server")
+                message = f"{name}={getattr(self, name)!r} is not supported by this server"
+                raise RequestError(name, message, "unsupported_parameter")
         return self
 
     def _more_neutral(self) -> dict[str, tuple]:
@@ -201,12 +216,15 @@ class CompletionRequest(_Common):
         return "max_tokens", self.max_tokens
 
 
-class UnsupportedField(ValueError):
-    """A known OpenAI field set to a value this server cannot honour."""
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400); `param` names the field at fault, as OpenAI's errors do,
+    and `code` says why where OpenAI has a code for it ("unsupported_parameter": a known field set to
+    a value this server cannot honour). Raised while a body is validated, pydantic carries it to the
+    error handler whole."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, param: str | None, message: str, code: str | None = None):
         super().__init__(message)
-        self.field = field
+        self.param, self.code = param, code
 
 
 # Every field name a request can hold, to tell them from the union members in a validation error's path.

@@ -26,7 +26,7 @@ from ..prompt import Prepared, prepare
 from ..tool_calls import call_id_prefix, parse_tool_calls
 from .admission import Admission, Ticket, Unavailable
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 # Where the model states no position limit, a request that names no max_tokens gets this many.
 FALLBACK_MAX_TOKENS = 1024
@@ -38,14 +38,6 @@ _FIELDS = {"prompt": "prompt", "messages": "messages", "documents": "documents",
 # OpenAI's finish_reason has no value for an answer the server stopped as it shut down: this one says so.
 SHUTDOWN = "shutdown"
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the server refuses (HTTP 400); `param` names the field at fault, as OpenAI's errors do."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -96,7 +88,7 @@ class Server:
 
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         self._check_model(body.model)
-        messages = _as_param("messages", lambda: [m.template_message() for m in body.messages])
+        messages = _as_param(None, lambda: [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)])
         chunks = self._retrieve(messages, body.retrieve) if body.retrieve else []
         prepared = self._prepare(
             messages, body, chat=True, chunks=chunks, tools=body.tools, tool_choice=body.tool_choice,
@@ -227,11 +219,13 @@ class Server:
 
 def _as_param(param: str | None, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`check(*args, **kwargs)`, its InvalidArgumentError as a RequestError naming `param`, or, for
-    `param=None` (a call into the engine), the request field the error's argument comes from."""
+    `param=None` (a call into the engine), the request field the error's argument comes from (a place
+    inside a field, "messages.1.tool_calls.0.function.arguments", named whole)."""
     try:
         return check(*args, **kwargs)
     except InvalidArgumentError as error:
-        field_ = param or _FIELDS.get(error.argument or "")
+        head, dot, inside = (error.argument or "").partition(".")
+        field_ = param or (_FIELDS[head] + dot + inside if head in _FIELDS else None)
         if field_ == "prompt" and kwargs.get("chat"):
             field_ = "messages"
         raise RequestError(field_, str(error)) from None

@@ -159,7 +159,8 @@ def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):
 
     tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
     body = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "height?"}], tools=tools, stream=True)
-    job = Job(Prepared(request=None, messages=[m.template_message() for m in body.messages], tools=tools), chat=True)
+    messages = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
+    job = Job(Prepared(request=None, messages=messages, tools=tools), chat=True)
     text = 'Let me look.\n<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel height"}}\n</tool_call>'
     result = GenerationResult(text, [1, 2], "eos", GenerationStats(prompt_tokens=5, new_tokens=2, target_forwards=2))
 
@@ -169,7 +170,7 @@ def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "Eiffel height"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "330 m"}])
-    assert history.messages[1].template_message()["tool_calls"] == [
+    assert history.messages[1].template_message("messages.1")["tool_calls"] == [
         {"id": "c1", "type": "function", "function": {"name": "search", "arguments": {"query": "Eiffel height"}}}]
 
     whole = _Reply(server, body, job).whole(result)
@@ -219,7 +220,7 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{not json"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "found"}]}, "messages"),
+        {"role": "tool", "tool_call_id": "c1", "content": "found"}]}, "messages.1.tool_calls.0.function.arguments"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     # This model's chat template renders no tools.
     ({"tools": [{"type": "function", "function": {"name": "search"}}]}, "tools"),

@@ -217,7 +217,7 @@ def test_nesting_deeper_than_the_limit_is_a_400_naming_the_field(base_url):
     response = httpx.post(f"{base_url}/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "messages" and "nested" in error["message"]
+    assert error["param"] == "messages.1.tool_calls.0.function.arguments" and "nested" in error["message"]
     # Too deep for the JSON parser itself.
     body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "metadata": {"a": %s}}' % (MODEL, _deep(10_000))
     response = httpx.post(f"{base_url}/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
