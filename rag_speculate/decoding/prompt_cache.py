@@ -44,7 +44,8 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import InvalidArgumentError, check_int
-from .kv_cache import kv_shape, make_cache
+from .kv_cache import kv_shape
+from .probe import cache_layout
 from .prompt_store import DEFAULT_MAX_BYTES, BlockShape, PromptStore, model_identity
 
 logger = logging.getLogger(__name__)
@@ -138,17 +139,6 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return 2 * layers * heads * head_dim * next(model.parameters()).element_size()
 
 
-def unsupported(cache: DynamicCache) -> str:
-    """Why a cache of this kind cannot be sliced into prefixes ("" when it can): a sliding window
-    forgets entries, and layers without plain key and value tensors cannot be cut by position."""
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False):
-            return "it has sliding-window layers, whose entries depend on what the window forgot"
-        if type(layer).__name__ != "DynamicLayer":
-            return f"its cache layers are {type(layer).__name__}, not plain key and value tensors"
-    return ""
-
-
 def _key(model: torch.nn.Module) -> tuple:
     """What a cache's entries are bound to: the model object, its dtype, device and attention."""
     parameter = next(model.parameters())
@@ -181,11 +171,13 @@ class PromptCache:
         folder: str | os.PathLike | None = None,
         disk_bytes: int | None = None,
         kernels: bool = False,
+        off: str | None = None,
     ) -> PromptCache:
         """A cache for `model`'s entries: `max_bytes` of memory, or None for room for `DEFAULT_TOKENS`
         tokens; with `folder`, a disk tier there of `disk_bytes` (None: `DEFAULT_MAX_BYTES`; 0: none),
         its blocks filed under the model's identity (`kernels`: the CPU kernels compute its forwards).
-        Off (0 bytes, no disk tier, one log line) for a model whose cache cannot be cut into prefixes.
+        Off (0 bytes, no disk tier, one log line) for a model whose cache cannot be cut into prefixes:
+        `off` says why ("" where it can; None: asked of the model, `probe.cache_layout`).
         A bad option raises InvalidArgumentError naming it."""
         if max_bytes is not None:
             check_int(max_bytes, "prompt_cache_bytes", 0)
@@ -194,7 +186,7 @@ class PromptCache:
             if folder is None:
                 raise InvalidArgumentError("prompt_cache_disk_bytes is the budget of prompt_cache_dir, which is not "
                                            "given", "prompt_cache_disk_bytes")  # fmt: skip
-        reason = unsupported(make_cache(model))
+        reason = cache_layout(model) if off is None else off
         if reason:
             logger.info("prompt cache off for %s: %s", type(model).__name__, reason)
             return cls(0)

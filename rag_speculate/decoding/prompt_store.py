@@ -48,7 +48,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import queue
 import re
 import shutil
@@ -66,7 +65,7 @@ import torch
 import transformers
 from safetensors.torch import save as safetensors_bytes
 
-from ..devices import cpu_flags
+from ..devices import processor
 from ..errors import InvalidArgumentError, check_int
 from ..files.durable import atomic_write_bytes, os_reason, remove_dead_temporaries, untrusted
 from ..files.schema import SHA256, FieldError, fields, load_json, text
@@ -146,17 +145,10 @@ def model_identity(model: torch.nn.Module, kernels: bool) -> str:
     transformers' versions, and the library's block format and KV layout versions. Two models never
     share a block."""
     parameter = next(model.parameters())
-    device = parameter.device
-    if device.type == "cuda":
-        processor: Any = torch.cuda.get_device_name(device)
-    elif device.type == "cpu":
-        processor = [platform.processor() or platform.machine(), *sorted(cpu_flags())]
-    else:
-        processor = device.type
     described = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "layout": KV_LAYOUT_VERSION,
-        "weights": weights_fingerprint(model), "dtype": str(parameter.dtype), "device": device.type,
-        "processor": processor, "attention": getattr(model.config, "_attn_implementation", None),
+        "weights": weights_fingerprint(model), "dtype": str(parameter.dtype), "device": parameter.device.type,
+        "processor": processor(parameter.device), "attention": getattr(model.config, "_attn_implementation", None),
         "kernels": kernels, "torch": torch.__version__, "transformers": transformers.__version__,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
