@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over a `Server`: FastAPI routes, OpenAI's own response types.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET|HEAD /health   GET /metrics
 
 Responses are built from the `openai` package's pydantic types, so their schema is OpenAI's, plus
 two extension fields: `acceleration` (what speculation did: the engine's GenerationStats) and, when
@@ -67,7 +67,8 @@ def create_app(
     app.add_middleware(_Guard, server=server, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s)
     _error_handlers(app)
 
-    @app.get("/health")
+    # HEAD too: what load balancers' and uptime monitors' probes send.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok", "model": server.name}
 
@@ -335,9 +336,10 @@ def _error_handlers(app: FastAPI) -> None:
 
 class _Guard:
     """ASGI middleware, before anything parses a request: refuses one without the API key (401), a
-    body that arrives too slowly (408), one over the size limit (413) and one nested too deep for
-    the parser and the chat templates (400, naming the field); answers what fails after it with a 500
-    in OpenAI's shape; counts every answer in the metrics by endpoint and status."""
+    body that arrives too slowly (408), one over the size limit (413), one that is not UTF-8 and one
+    nested too deep for the parser and the chat templates (400, naming the field); answers what
+    fails after it with a 500 in OpenAI's shape; counts every answer in the metrics by endpoint and
+    status."""
 
     def __init__(self, app: ASGIApp, server: Server, max_body_bytes: int, api_key: str | None, body_timeout_s: float):
         self.app, self.server, self.limit, self.body_timeout_s = app, server, max_body_bytes, body_timeout_s
@@ -402,15 +404,7 @@ class _Guard:
     async def _refused(self, body: bytes | None) -> Response | None:
         if body is None:
             return _error(f"the request body is over the {self.limit}-byte limit", None, 413, "request_too_large")
-        path = await asyncio.to_thread(too_deep, body, MAX_NESTING)
-        if path is None:
-            return None
-        # The field as OpenAI names it ("messages.0.tool_calls"): the path up to its last request field.
-        end = next((i for i, part in enumerate(path) if isinstance(part, str) and part not in FIELD_NAMES), len(path))
-        while end and isinstance(path[end - 1], int):
-            end -= 1
-        field = ".".join(map(str, path[:end])) or None
-        return _error(f"{field or 'the body'} is nested more than {MAX_NESTING} levels deep", field, 400)
+        return await asyncio.to_thread(_unreadable, body)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None once it is over the limit."""
@@ -428,3 +422,21 @@ class _Guard:
                 return None
             if not message.get("more_body"):
                 return b"".join(parts)
+
+
+def _unreadable(body: bytes) -> Response | None:
+    """A 400 for a body that is not UTF-8 (JSON's only encoding between systems) or that nests too deep
+    for the parser and the chat templates, naming the field."""
+    try:
+        body.decode()
+    except UnicodeDecodeError as error:
+        return _error(f"the body is not valid UTF-8 text ({error.reason} at byte {error.start})", None, 400)
+    path = too_deep(body, MAX_NESTING)
+    if path is None:
+        return None
+    # The field as OpenAI names it ("messages.0.tool_calls"): the path up to its last request field.
+    end = next((i for i, part in enumerate(path) if isinstance(part, str) and part not in FIELD_NAMES), len(path))
+    while end and isinstance(path[end - 1], int):
+        end -= 1
+    field = ".".join(map(str, path[:end])) or None
+    return _error(f"{field or 'the body'} is nested more than {MAX_NESTING} levels deep", field, 400)

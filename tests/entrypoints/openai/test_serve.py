@@ -146,6 +146,12 @@ def test_models_health_and_metrics(client, base_url, server):
     assert 'rag_speculate_prompt_cache_tokens_total{tier="memory"}' in metrics
 
 
+def test_head_health_is_a_200(base_url):
+    """What load balancers' and uptime monitors' probes send."""
+    response = httpx.head(base_url.removesuffix("/v1") + "/health")
+    assert response.status_code == 200 and response.content == b""
+
+
 def test_tool_calls_in_the_answer_come_back_as_tool_calls(server):
     """The packaged small model's template renders no tools (a 400 below), so the answer is given:
     what is tested is how a call in it reaches the client, whole and streamed."""

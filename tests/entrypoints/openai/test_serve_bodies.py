@@ -1,5 +1,6 @@
 """Bodies no well-behaved client sends, on 127.0.0.1: text that is not valid Unicode (a lone surrogate,
-which JSON's \\ud800 escape writes) in any field, NUL, NaN, deep nesting and values of any JSON type.
+which JSON's \\ud800 escape writes) in any field, NUL, NaN, deep nesting, values of any JSON type, and
+bytes that are not UTF-8.
 Each gets a 400 in OpenAI's error shape naming the field, never a 500, and the connection it came on
 serves the client's next request."""
 
@@ -124,6 +125,20 @@ def test_lone_surrogate_in_a_key_or_a_tool_is_a_400_naming_where(base_url, clien
     assert error["param"] == "prompt.0"
 
 
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"model": "\xff"}', "invalid start byte at byte 11"),
+    # A surrogate's own bytes (CESU-8), which strict UTF-8 refuses, and a body in UTF-16.
+    (b'{"model": "\xed\xa0\x80"}', "invalid continuation byte at byte 11"),
+    (json.dumps(CHAT).encode("utf-16"), "invalid start byte at byte 0"),
+], ids=["a stray byte", "a surrogate's bytes", "UTF-16"])  # fmt: skip
+def test_a_body_that_is_not_utf8_is_a_400_saying_so(base_url, client, body, reason):
+    response = client.post(f"{base_url}/chat/completions", content=body, headers={"content-type": "application/json"})
+    error = refusal(response)
+    assert error["param"] is None and error["message"] == f"the body is not valid UTF-8 text ({reason})"
+    after = post(client, f"{base_url}/completions", COMPLETION)
+    assert after.status_code == 200 and _local_port(after) == _local_port(response)
+
+
 def test_an_unexpected_failure_is_a_500_in_openais_shape_on_a_connection_left_open():
     """Whatever fails in a route is answered by the server's guard, which keeps the connection: the
     route here is added to the real app for the test, as a failure no request should find."""
@@ -194,5 +209,21 @@ def test_no_body_gets_a_500_and_its_connection_serves_the_next_request(base_url,
     if response.status_code == 400:
         error = response.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
+    after = post(client, f"{base_url}/completions", COMPLETION)
+    assert after.status_code == 200 and _local_port(after) == _local_port(response)
+
+
+# No digits: spliced into max_tokens, they would ask for a long answer.
+JUNK = st.binary(min_size=1, max_size=8).filter(lambda junk: not set(junk) & set(b"0123456789"))
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), junk=JUNK)
+def test_bytes_spliced_into_a_body_never_get_a_500_and_leave_its_connection_open(base_url, client, data, junk):
+    text = json.dumps(CHAT).encode()
+    at = data.draw(st.integers(0, len(text)))
+    response = client.post(f"{base_url}/chat/completions", content=text[:at] + junk + text[at:],
+                           headers={"content-type": "application/json"})
+    assert response.status_code in (200, 400), response.text
     after = post(client, f"{base_url}/completions", COMPLETION)
     assert after.status_code == 200 and _local_port(after) == _local_port(response)
