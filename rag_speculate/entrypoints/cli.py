@@ -195,9 +195,9 @@ def run_demo(args: argparse.Namespace) -> int:
     question = args.question or questions[args.item].question
     answers = [] if args.question else questions[args.item].answers
 
+    tokenizer = load_tokenizer(args.model, progress=_progress)
     folder = args.index_dir or cache_dir() / "indexes" / f"nq-{Path(args.model).name}"
     _progress(f"indexing the shipped Natural Questions corpus into {folder} (once; later runs reuse it)")
-    tokenizer = load_tokenizer(args.model, progress=_progress)
     index = CorpusIndex.build(
         nq_documents(), folder, tokenizer=tokenizer, embedder=args.embedding_model, options=_options(args), progress=True, log=_progress
     )
@@ -252,6 +252,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.ray:
         from .openai import ray_serve
+
+        # The replicas load the model: a file that cannot be one is refused here, in one line, before Ray starts.
+        load_tokenizer(args.model)
 
         _progress(f"serving {config.name} on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s)")
         ray_serve.run(config, args.replicas, args.host, args.port, args.cpus_per_replica, args.gpus_per_replica)

@@ -161,7 +161,7 @@ def bad_gguf(tmp_path):
 
 @pytest.mark.parametrize(
     ("command", "quantization"),
-    [("serve", []), ("serve", ["--quantization", "gguf"]), ("ask", []), ("ask", ["--quantization", "int8"])],
+    [("serve", []), ("serve", ["--quantization", "gguf"]), ("serve", ["--ray"]), ("ask", []), ("ask", ["--quantization", "int8"])],
 )
 def test_a_bad_model_file_is_one_line_naming_it_and_fails_the_command(index, bad_gguf, command, quantization):
     """As users run it, its own process: the error the loader raises, printed once, no traceback."""
@@ -181,5 +181,5 @@ def test_a_bad_model_file_is_one_line_naming_it_and_fails_the_command(index, bad
 
 def test_demo_with_a_bad_model_file_fails_in_one_line_naming_it(bad_gguf, tmp_path, capsys):
     assert main(["demo", "--index-dir", str(tmp_path / "nq"), "--model", str(bad_gguf), "--threads", "1"]) == 1
-    error = capsys.readouterr().err.splitlines()[-1]
-    assert error.startswith(f"rag-speculate demo: {bad_gguf} is not a usable GGUF file")
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"rag-speculate demo: {bad_gguf} is not a usable GGUF file")
