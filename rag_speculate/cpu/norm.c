@@ -3,8 +3,8 @@
  * in one call where torch runs seven operators.
  *
  * Every step but the sum rounds one IEEE operation, so it is the same in C. The sum is torch's
- * `cascade_sum` for a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp): vectors of `lanes`
- * floats (its Vectorized<float>: 16 under AVX-512, else 8) added lane by lane into four streams,
+ * `cascade_sum` for a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp): vectors of LANES
+ * floats (its Vectorized<float>) added lane by lane into four streams,
  * vector i into stream i % 4; each stream a cascade of LEVELS partial sums, the lowest folded into
  * the next every 2^power vectors and so on up; then the vectors left past the streams into stream 0,
  * streams 1-3 into stream 0, the floats past the last vector one by one, and the lanes in order.
@@ -14,7 +14,9 @@
 #include <math.h>
 #include <stdint.h>
 
-#define MAX_LANES 16
+/* 8 on AVX-512 CPUs too: SumKernel.cpp registers its kernel with REGISTER_DISPATCH, which leaves the
+ * AVX-512 slot empty (DispatchStub.h), so torch runs the AVX2 build, whose vectors hold 8 floats. */
+#define LANES 8
 #define STREAMS 4 /* row_sum's ilp_factor */
 #define LEVELS 4  /* multi_row_sum's num_levels */
 
@@ -27,45 +29,45 @@ static int64_t ceil_log2(int64_t x) {
 }
 
 /* Vector v of x's squares added lane by lane into `acc`. */
-static inline void add_squares(float *acc, const float *x, int64_t v, int lanes) {
-    const float *p = x + v * lanes;
-    for (int l = 0; l < lanes; l++) acc[l] += p[l] * p[l];
+static inline void add_squares(float *acc, const float *x, int64_t v) {
+    const float *p = x + v * LANES;
+    for (int l = 0; l < LANES; l++) acc[l] += p[l] * p[l];
 }
 
-static float sum_of_squares(const float *x, int64_t n, int lanes) {
-    const int64_t vectors = n / lanes, size = vectors / STREAMS;
+static float sum_of_squares(const float *x, int64_t n) {
+    const int64_t vectors = n / LANES, size = vectors / STREAMS;
     const int64_t power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
     const int64_t step = (int64_t)1 << power, mask = step - 1;
-    float acc[LEVELS][STREAMS][MAX_LANES] = {{{0.0f}}};
+    float acc[LEVELS][STREAMS][LANES] = {{{0.0f}}};
     int64_t i = 0;
     while (i + step <= size) {
         for (int64_t j = 0; j < step; j++, i++)
-            for (int k = 0; k < STREAMS; k++) add_squares(acc[0][k], x, i * STREAMS + k, lanes);
+            for (int k = 0; k < STREAMS; k++) add_squares(acc[0][k], x, i * STREAMS + k);
         for (int j = 1; j < LEVELS; j++) {
             for (int k = 0; k < STREAMS; k++)
-                for (int l = 0; l < lanes; l++) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
+                for (int l = 0; l < LANES; l++) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
             if (i & (mask << (j * power))) break;
         }
     }
     for (; i < size; i++)
-        for (int k = 0; k < STREAMS; k++) add_squares(acc[0][k], x, i * STREAMS + k, lanes);
+        for (int k = 0; k < STREAMS; k++) add_squares(acc[0][k], x, i * STREAMS + k);
     for (int j = 1; j < LEVELS; j++)
         for (int k = 0; k < STREAMS; k++)
-            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[j][k][l];
-    for (int64_t v = size * STREAMS; v < vectors; v++) add_squares(acc[0][0], x, v, lanes);
+            for (int l = 0; l < LANES; l++) acc[0][k][l] += acc[j][k][l];
+    for (int64_t v = size * STREAMS; v < vectors; v++) add_squares(acc[0][0], x, v);
     for (int k = 1; k < STREAMS; k++)
-        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+        for (int l = 0; l < LANES; l++) acc[0][0][l] += acc[0][k][l];
     float total = 0.0f;
-    for (int64_t e = vectors * lanes; e < n; e++) total += x[e] * x[e];
-    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    for (int64_t e = vectors * LANES; e < n; e++) total += x[e] * x[e];
+    for (int l = 0; l < LANES; l++) total += acc[0][0][l];
     return total;
 }
 
-/* x, out: rows x n; w: n; lanes: 8 or 16, at most n. */
-void rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps, int lanes) {
+/* x, out: rows x n; w: n; n at least LANES. */
+void rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * n;
-        const float scale = 1.0f / sqrtf(sum_of_squares(row, n, lanes) / (float)n + eps);
+        const float scale = 1.0f / sqrtf(sum_of_squares(row, n) / (float)n + eps);
         for (int64_t e = 0; e < n; e++) out[r * n + e] = w[e] * (row[e] * scale);
     }
 }

@@ -18,8 +18,9 @@ import torch
 from .build import BASE_FLAGS, compile_kernel
 
 _SOURCE = Path(__file__).with_name("norm.c")
-# torch's Vectorized<float>::size() under each x86 capability it reports: the lanes its sums run in.
-_LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}
+# The floats in the vectors torch's sum runs in on x86 (norm.c's LANES): 8 under AVX-512 as well,
+# where torch dispatches its sum to the AVX2 build.
+_LANES = 8
 
 
 @functools.cache
@@ -27,36 +28,34 @@ def norm_library() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel, built into the cache on first use; or None and why not."""
     lib, reason = compile_kernel(_SOURCE, BASE_FLAGS, "norm", "the norm kernel")
     if lib is not None:
-        lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+        lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.rms_norm.restype = None
     return lib, reason
 
 
-def _lanes() -> int | None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    return _LANES.get(torch.backends.cpu.get_cpu_capability())
+def on_x86() -> bool:
+    """Whether torch's sums here run in the order the kernel follows: its x86 builds'."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`weight * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))` for fp32 `x` and `weight` on
     the CPU, through the kernel; None where it does not serve them (another dtype or device, rows
     shorter than torch's vectors, no kernel built)."""
-    lanes, (library, _) = _lanes(), norm_library()
-    n = x.shape[-1]
-    if library is None or lanes is None or n < lanes or not _fp32_on_cpu(x, weight) or weight.shape != (n,):
+    library, n = norm_library()[0], x.shape[-1]
+    if library is None or not on_x86() or n < _LANES or not _fp32_on_cpu(x, weight) or weight.shape != (n,):
         return None
-    return _run(library.rms_norm, x, weight.contiguous(), eps, lanes)
+    return _run(library.rms_norm, x, weight.contiguous(), eps)
 
 
 def _fp32_on_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-def _run(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
+def _run(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(flat)
-    kernel(flat.data_ptr(), weight.data_ptr(), out.data_ptr(), flat.shape[0], flat.shape[1], eps, lanes)
+    kernel(flat.data_ptr(), weight.data_ptr(), out.data_ptr(), flat.shape[0], flat.shape[1], eps)
     return out.view(x.shape)
 
 
@@ -68,15 +67,16 @@ def norm_for(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] 
     if not isinstance(weight, torch.Tensor) or not isinstance(eps, float) or weight.dim() != 1:
         return None
     generator = torch.Generator().manual_seed(0)
-    # Rows of several magnitudes, so the sum's order shows in the last bits.
-    probe = torch.randn(3, weight.shape[0], generator=generator) * torch.tensor([[1e-3], [1.0], [30.0]])
+    # Rows of several magnitudes, so the sum's order shows in the last bits; dozens, since another order
+    # still gives the same bits on most rows (on three in four 64-float rows, 16 lanes' order for 8's).
+    probe = torch.randn(48, weight.shape[0], generator=generator) * torch.tensor([1e-3, 1.0, 30.0]).repeat(16)[:, None]
     got = rms_norm(probe, weight, eps)
     if got is None or not torch.equal(got, module(probe)):
         return None
-    kernel, weight, lanes = norm_library()[0].rms_norm, weight.contiguous(), _lanes()
+    kernel, weight = norm_library()[0].rms_norm, weight.contiguous()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         # The weight was checked once; a step's inputs only need to be fp32 on the CPU.
-        return _run(kernel, x, weight, eps, lanes) if _fp32_on_cpu(x) else module(x)
+        return _run(kernel, x, weight, eps) if _fp32_on_cpu(x) else module(x)
 
     return forward

@@ -7,9 +7,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from rag_speculate.cpu.norm import _lanes, norm_for, rms_norm
+from rag_speculate.cpu.norm import norm_for, on_x86, rms_norm
 
-pytestmark = pytest.mark.skipif(_lanes() is None, reason="the norm kernel follows torch's sums on x86 CPUs only")
+pytestmark = pytest.mark.skipif(not on_x86(), reason="the norm kernel follows torch's sums on x86 CPUs only")
 
 
 def _norm(kind, size: int) -> torch.nn.Module:
@@ -18,7 +18,7 @@ def _norm(kind, size: int) -> torch.nn.Module:
     return norm
 
 
-# Sizes around torch's vectors (8 or 16 floats) and its four streams of them, the hidden sizes of
+# Sizes around torch's vectors (8 floats) and its four streams of them, the hidden sizes of
 # the packaged models, and one long enough that the sum's cascade folds several levels.
 @pytest.mark.parametrize("size", [8, 9, 16, 31, 33, 64, 100, 129, 257, 513, 576, 896, 1536, 2049, 8960, 300_007])
 @pytest.mark.parametrize("kind", [LlamaRMSNorm, Qwen2RMSNorm])
@@ -55,3 +55,17 @@ class _OnePlusWeight(LlamaRMSNorm):
 def test_a_norm_of_another_formula_keeps_its_own_forward():
     assert norm_for(_norm(_OnePlusWeight, 64)) is None
     assert norm_for(torch.nn.LayerNorm(64)) is None  # no variance_epsilon
+
+
+class _ReversedSum(LlamaRMSNorm):
+    """The same formula with its mean summed from the row's other end: other bits on some rows only."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.flip(-1).pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.mark.parametrize("size", [64, 896, 1536])
+def test_a_norm_summing_in_another_order_keeps_its_own_forward(size):
+    # Three probe rows of these sizes give the kernel's bits by chance: the probe must hold more.
+    assert norm_for(_norm(_ReversedSum, size)) is None
