@@ -304,12 +304,14 @@ static void run_part(void *ctx, int64_t part, int64_t parts) {
             for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * tiles_n * X_ROWS; t++) accs[t] = zero();
             for (int64_t k0 = 0; k0 < kv; k0 += chunk) {
                 const int64_t k1 = k0 + chunk < kv ? k0 + chunk : kv;
+#ifdef QUANTIZED /* only there are weights fp32 vectors once loaded (BF16_DOT's are bf16 pairs) */
                 if (scratch) {
                     W.ld = k1 - k0, W.n_base = n_start, W.k_base = k0;
                     for (int64_t n = n_start; n < n_end; n++)
                         for (int64_t k = k0; k < k1; k += LANES)
                             store_f32(dequantized + (n - n_start) * W.ld + (k - k0), load_w_at(&W, n, k, 0));
                 }
+#endif
                 for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
                     const int64_t m = m_end - m0 < X_ROWS ? m_end - m0 : X_ROWS;
                     acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
