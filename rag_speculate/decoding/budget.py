@@ -26,6 +26,7 @@ from ..files.durable import atomic_write_bytes
 # Tokens fed (draft nodes + 1 per row, over a batch's rows); powers of two cover the curve's shape.
 PROBE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
 _COST_MEMORY = 0.8  # weight of the old estimate when a verification forward is timed
+_MEASURE_ROUNDS = 3  # passes over the sizes when a curve is timed
 
 
 class CostModel:
@@ -40,14 +41,18 @@ class CostModel:
         self.learn = learn
 
     @classmethod
-    def measure(cls, forward: Callable[[int], None], max_q: int) -> CostModel:
+    def measure(cls, forward: Callable[[int], None], max_q: int, rounds: int = _MEASURE_ROUNDS) -> CostModel:
+        """Each size's least time over `rounds` passes through all of them: whatever else runs on the
+        machine can only slow a timing, and a curve saved once steers every later engine (a size
+        timed too dear is never fed again, so never corrected)."""
         sizes = [q for q in PROBE_SIZES if q < max_q] + [max_q]
         forward(1)  # the first call pays one-off allocations
-        seconds = {}
-        for q in sizes:
-            started = time.perf_counter()
-            forward(q)
-            seconds[q] = time.perf_counter() - started
+        seconds = dict.fromkeys(sizes, float("inf"))
+        for _ in range(rounds):
+            for q in sizes:
+                started = time.perf_counter()
+                forward(q)
+                seconds[q] = min(seconds[q], time.perf_counter() - started)
         return cls(seconds)
 
     def save(self, path: Path) -> None:

@@ -23,7 +23,7 @@ from .traits import ModelTraits
 logger = logging.getLogger(__name__)
 
 # Bumped when how the cost curve is measured changes, so curves saved before are timed again.
-_VERSION = 2
+_VERSION = 3
 
 
 def cost_curve(model: torch.nn.Module, traits: ModelTraits, timed: Callable[[], Callable[[int], None]], longest: int) -> CostModel:

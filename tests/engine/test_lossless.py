@@ -8,6 +8,7 @@ from conftest import VOCAB, hf_greedy, tiny_model
 from drafters_for_tests import RandomTreeDrafter
 
 from rag_speculate import NGramTrieDrafter, SpeculativeEngine
+from rag_speculate.decoding.budget import CostModel
 
 # The losslessness tests run through the CPU kernels and through the portable path alike.
 pytestmark = pytest.mark.usefixtures("forward_path")
@@ -103,6 +104,8 @@ def test_sliding_window_beyond_window_falls_back_to_chains_losslessly(tokenizer,
     ids = tokenizer.encode(PROMPTS[0])
     reference = hf_greedy(model, ids, 40)
     engine = SpeculativeEngine(model, tokenizer)
+    engine._costs()  # timed through the window's chains, then pinned flat: drafts pay whatever the timing said
+    engine.cost_model = CostModel({1: 1.0, engine.draft_budget + 1: 1.0}, learn=False)
     result = engine.generate(ids, documents=[reference], max_new_tokens=40)
     assert result.stats.verification == "chain"
     assert result.token_ids == reference
