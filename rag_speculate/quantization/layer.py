@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu.linear import activation_block, linear_library, run_quantized
+from ..cpu.modules import carry_kernels
 from ..errors import InvalidArgumentError
 from ..fingerprint import changed_weights
 from .formats import GROUP, INT8_GROUPS, QuantizedWeight, dequantize, fits, quantize, quantize_activations
@@ -135,8 +136,9 @@ def quantize_model(
 ) -> dict[str, str]:
     """Replace `model`'s linear layers by quantized ones, in place: quantized here by `method`
     ("int8", "int4"; `group` values per scale, by default `formats.default_group`'s), or given in
-    `weights` (by module name, from a GGUF file: method "gguf"). Returns the layers left as they
-    were, with why."""
+    `weights` (by module name, from a GGUF file: method "gguf"). On the CPU the rest of its forward
+    then runs the kernels too (`cpu.modules.carry_kernels`), so its own `generate` gives the
+    engine's answers. Returns the layers left unquantized, with why."""
     if method not in METHODS:
         raise InvalidArgumentError(f"unknown quantization {method!r}: one of {', '.join(METHODS)}", "quantization")
     reason = already_quantized(model)
@@ -160,6 +162,9 @@ def quantize_model(
         _replace(model, name, QuantizedLinear(weight, module.bias))
     # The disk tier files KV entries under the weights' fingerprint: these are other weights now.
     changed_weights(model, f"quantize_model {method} group {group or (INT8_GROUPS if method == 'int8' else GROUP)}")
+    if next(model.parameters()).device.type == "cpu":
+        # Its own generate then answers as the engine does, outside any mode: a model we change, we change whole.
+        carry_kernels(model)
     if left:
         logger.info("%d linear layers kept in %s: %s", len(left), next(model.parameters()).dtype, "; ".join(f"{n} ({w})" for n, w in left.items()))
     return left

@@ -13,6 +13,7 @@ from conftest import DEVICE, hf_greedy, tiny_model
 from packaged_fixtures import DOCUMENT, MODEL, installed
 
 from rag_speculate import InvalidArgumentError, NGramTrieDrafter, SpeculativeEngine
+from rag_speculate.decoding.budget import CostModel
 from rag_speculate.models.loading import _check_quantization, load_model
 from rag_speculate.quantization.layer import QuantizedLinear, quantize_model
 
@@ -32,6 +33,8 @@ def quantized(arch: str, method: str, dtype: torch.dtype = torch.float32):
 def test_speculation_over_a_quantized_model_is_its_own_generate(arch, method, tokenizer):
     model = quantized(arch, method)
     engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
+    # A flat cost curve: drafts always pay, whatever a loaded machine's timing said.
+    engine.cost_model = CostModel({1: 1.0, engine.draft_budget + 1: 1.0}, learn=False)
     ids = [tokenizer.encode(p) for p in PROMPTS]
     references = [hf_greedy(model, i, 24) for i in ids]
     # Its own continuation as the document: long drafts, accepted, then a miss.
@@ -167,3 +170,23 @@ def test_every_entrance_takes_the_option_and_answers_as_the_quantized_model():
     assert llm.engine is engine  # loaded on first use: the same one
     with pytest.raises(ValidationError, match="quantization configure loading a model"):
         SpeculativeHFLLM(engine=engine, quantization="int8")
+
+
+@pytest.mark.skipif(not installed(MODEL), reason=f"the packaged {MODEL} is not installed (bash scripts/setup.sh test installs it)")
+@pytest.mark.parametrize("method", ["int8", "gguf"])
+def test_a_model_the_engine_quantized_answers_through_its_own_generate_as_through_the_engine(method):
+    """Outside any mode, in the dtype a user gets by default: the kernels travel with its modules.
+    Before they did, its own generate left the engine's answer on one of these prompts in bf16."""
+    engine = SpeculativeEngine.from_pretrained(MODEL, device="cpu", quantization=method)
+    assert engine.model.config._attn_implementation == "rag_speculate_cpu"
+    assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
+    for prompt in ["The Eiffel Tower is in", "Write a haiku about the sea.", "def fibonacci(n):"]:
+        ids = engine.encode_prompt(prompt)
+        assert engine.generate(ids, max_new_tokens=32).token_ids == hf_greedy(engine.model, ids, 32), prompt
+
+
+def test_a_model_the_user_passes_is_never_modified(tokenizer):
+    model = tiny_model("llama")
+    classes, attention = [type(m) for m in model.modules()], model.config._attn_implementation
+    SpeculativeEngine(model, tokenizer).generate(tokenizer.encode(PROMPTS[0]), max_new_tokens=4)
+    assert [type(m) for m in model.modules()] == classes and model.config._attn_implementation == attention
