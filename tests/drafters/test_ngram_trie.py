@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from rag_speculate import DraftContext, DraftTree, NGramTrieDrafter
 from rag_speculate.decoding.tree import tree_attention_mask, tree_position_ids
 
@@ -42,20 +44,28 @@ def subtree_paths(node: dict, prefix=()) -> dict[tuple[int, ...], int]:
     return out
 
 
-def test_draft_is_the_paper_tries_subtree_for_the_longest_matching_query():
+@pytest.mark.parametrize(
+    "alphabet, vocab_size, n, max_prefix",
+    [
+        (range(12), 12, 8, 3),
+        # Ids at both ends of a large vocabulary, and more tokens to a query than fit one 64-bit key of
+        # ids side by side: the index's keys tell every n-gram apart all the same.
+        ((0, 1, 65_535, 65_536, 199_998, 199_999), 200_000, 9, 5),
+    ],
+)
+def test_draft_is_the_paper_tries_subtree_for_the_longest_matching_query(alphabet, vocab_size, n, max_prefix):
     rng = random.Random(0)
-    doc = [rng.randrange(12) for _ in range(400)]
-    n, max_prefix = 8, 3
+    doc = [rng.choice(alphabet) for _ in range(400)]
     drafter = NGramTrieDrafter(n=n, max_prefix=max_prefix, learn_from_output=False)
-    drafter.start(DraftContext(prompt_ids=[], document_ids=[doc], vocab_size=12))
+    drafter.start(DraftContext(prompt_ids=[], document_ids=[doc], vocab_size=vocab_size))
     reference = paper_trie(doc, n, max_prefix)
     for _ in range(30):
-        query = doc[rng.randrange(len(doc) - 3) :][:3]
+        query = doc[rng.randrange(len(doc) - max_prefix) :][:max_prefix]
         node = reference
         for t in query:
             node = node[t][1]
         want = subtree_paths(node)
-        tree = drafter.propose([99, *query], budget=10_000)
+        tree = drafter.propose([vocab_size + 1, *query], budget=10_000)
         assert paths(tree) == set(want)
 
 
