@@ -1,9 +1,10 @@
 """A caller's prompt, tools and documents as checked token ids: what `SpeculativeEngine.prepare` runs.
 
 Every argument is checked when the call is made, and a bad one raises `InvalidArgumentError` naming it
-(`.argument`). Checks that cost nothing come before work that costs time: a document is measured in
-characters before it is tokenized. Each distinct document is tokenized once per engine and kept under
-a byte budget, since RAG pipelines retrieve the same passages again and again.
+(`.argument`). Checks that cost nothing come before work that costs time: the documents are measured in
+bytes before they are tokenized, and in tokens before the drafters index them. Each distinct document
+is tokenized once per engine and kept under a byte budget, since RAG pipelines retrieve the same
+passages again and again.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ Document = str | Sequence[int]
 
 # Tokenized documents kept per engine, in bytes of token ids: thousands of retrieved passages.
 DOCUMENT_CACHE_BYTES = 64 << 20
-# The most characters a document may have: a token is at least one character, and more tokens than
-# this would be a corpus, which belongs in a REST datastore rather than in one request.
-MAX_DOCUMENT_CHARS = 4 << 20
+# What one request's documents may hold in all: their text in UTF-8 bytes, which bounds the time to
+# tokenize them, and their tokens, which bounds the time the drafters take to index them on the
+# engine's thread before the first step. At both limits a request prepares in well under a second on
+# two CPU cores (docs/serving.md); more would be a corpus, which belongs in a REST datastore.
+MAX_DOCUMENT_BYTES = 256 << 10
+MAX_DOCUMENT_TOKENS = 256 << 10
+_CORPUS_ADVICE = "index a corpus this large for the REST drafter instead"
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -69,9 +74,11 @@ class Inputs:
         tools = check_tools(tools) if tools is not None else None
         document_ids = self.document_ids(documents)
         prompt_ids = self.prompt_ids(prompt, chat=chat, tools=tools)
-        messages = prompt if chat and not isinstance(prompt, str) else []
-        document_ids += self.document_ids(tool_documents(tools, messages))
         self._check_length(len(prompt_ids), max_new_tokens)
+        # The tool schemas and results are parts of the prompt: bounded with it by the check above,
+        # not by the documents' limits.
+        messages = prompt if chat and not isinstance(prompt, str) else []
+        document_ids += [self._tokenized(text) for text in tool_documents(tools, messages)]
         return Request(prompt_ids, document_ids, max_new_tokens, sampling, stops, seed)
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False, tools: Sequence[dict] | None = None) -> list[int]:
@@ -115,7 +122,12 @@ class Inputs:
 
     def document_ids(self, documents: Sequence[Document] | None) -> list[list[int]]:
         documents = check_documents(documents)
-        return [self._tokenized(doc) if isinstance(doc, str) else self._token_ids(doc, f"documents[{i}]") for i, doc in enumerate(documents)]
+        ids = [
+            self._tokenized(doc) if isinstance(doc, str) else self._token_ids(doc, f"documents[{i}]")
+            for i, doc in enumerate(documents)
+        ]
+        _check_document_tokens(sum(map(len, ids)))
+        return ids
 
     def _tokenized(self, text: str) -> list[int]:
         ids = self.documents.get(text)
@@ -179,27 +191,42 @@ def _key(text: str) -> str:
 
 
 def check_documents(documents: Sequence[Document] | None) -> list[Document]:
-    """The documents as a list, each a string within the length limit or a sequence (of token ids,
-    checked when they are read); refused by name before anything is tokenized."""
+    """The documents as a list, each a string or a sequence (of token ids, checked when they are
+    read), the strings within `MAX_DOCUMENT_BYTES` and the sequences within `MAX_DOCUMENT_TOKENS` in
+    all; refused by name before anything is tokenized."""
     if documents is None:
         return []
     if isinstance(documents, (str, bytes, bytearray)) or not isinstance(documents, Sequence):
         raise InvalidArgumentError("documents must be a list of documents (strings or lists of token ids)", "documents")
+    text_bytes = given_tokens = 0
     for i, doc in enumerate(documents):
         check_not_bytes(doc, f"documents[{i}]")
         if isinstance(doc, str):
-            check_text(doc, f"documents[{i}]")
-            if len(doc) > MAX_DOCUMENT_CHARS:
+            text_bytes += len(check_text(doc, f"documents[{i}]").encode())
+            if text_bytes > MAX_DOCUMENT_BYTES:
                 raise InvalidArgumentError(
-                    f"documents[{i}] has {len(doc)} characters, over the limit of {MAX_DOCUMENT_CHARS}: "
-                    "index a corpus this large for the REST drafter instead",
+                    f"the documents' text comes to {text_bytes} bytes (UTF-8) by documents[{i}], over the limit of "
+                    f"{MAX_DOCUMENT_BYTES} in all: {_CORPUS_ADVICE}",
                     "documents",
                 )
-        elif not isinstance(doc, Sequence):
+        elif isinstance(doc, Sequence):
+            given_tokens += len(doc)
+            _check_document_tokens(given_tokens, f" of token ids by documents[{i}]")
+        else:
             raise InvalidArgumentError(
                 f"documents[{i}] must be a string or a list of token ids, got {type(doc).__name__}", "documents"
             )
     return list(documents)
+
+
+def _check_document_tokens(tokens: int, where: str = "") -> None:
+    """Refuse documents that come to more than `MAX_DOCUMENT_TOKENS` tokens (`where`: how far they were counted)."""
+    if tokens > MAX_DOCUMENT_TOKENS:
+        raise InvalidArgumentError(
+            f"the documents come to {tokens} tokens{where}, over the limit of {MAX_DOCUMENT_TOKENS} in all: "
+            + _CORPUS_ADVICE,
+            "documents",
+        )
 
 
 def check_tools(tools: Any) -> list[dict]:

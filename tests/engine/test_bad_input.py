@@ -79,3 +79,25 @@ def test_unknown_packaged_model_name():
 def test_library_prints_nothing(engine, capsys):
     engine.generate("hello there", documents=["hello there general"], max_new_tokens=10)
     assert capsys.readouterr().out == ""
+
+
+def test_documents_are_bounded_in_bytes_before_tokenizing_and_in_tokens_before_indexing(engine):
+    """Requests just over either limit are refused naming `documents`; requests at them run."""
+    from rag_speculate.engine.inputs import MAX_DOCUMENT_BYTES, MAX_DOCUMENT_TOKENS
+
+    half = MAX_DOCUMENT_BYTES // 2
+    # Text counts in UTF-8 bytes, not characters: "é" is two.
+    over = {
+        "text": ["a" * half, "é" * (half // 2) + "a"],
+        "token ids": [[5] * (MAX_DOCUMENT_TOKENS // 2), [6] * (MAX_DOCUMENT_TOKENS // 2 + 1)],
+        "tokens in all": [[5] * (MAX_DOCUMENT_TOKENS - 1), "ab"],
+    }
+    for documents in over.values():
+        with pytest.raises(InvalidArgumentError, match="over the limit of") as caught:
+            engine.prepare("hi", documents=documents, max_new_tokens=2)
+        assert caught.value.argument == "documents"
+    at_limit = [["a" * half, "é" * (half // 2)], [[5] * (MAX_DOCUMENT_TOKENS - 2), "ab"]]
+    for documents in at_limit:
+        request = engine.prepare("hi", documents=documents, max_new_tokens=2)
+        assert sum(map(len, request.document_ids)) <= MAX_DOCUMENT_TOKENS
+        assert len(engine.stream_request(request).collect().token_ids) == 2

@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ...engine.inputs import MAX_DOCUMENT_CHARS
 from ..tool_calls import template_tool_call, unencodable
 
 # Chat messages whose "developer" role (OpenAI's newer name for system) chat templates do not know.
@@ -132,11 +131,7 @@ class _Common(BaseModel):
     def _documents(cls, documents: list[str] | None) -> list[str] | None:
         if documents is not None and len(documents) > 256:
             raise ValueError("at most 256 documents")
-        # Checked before anything is tokenized: the engine's bound on one document's characters bounds
-        # them all together here, so the work of one request stays that of one long document.
-        chars = sum(map(len, documents or ()))
-        if chars > MAX_DOCUMENT_CHARS:
-            raise ValueError(f"the documents hold {chars} characters, over this server's limit of {MAX_DOCUMENT_CHARS} in all")
+        # Their size in bytes and tokens is the engine's to bound (engine/inputs.py), for every entrance.
         return documents
 
     @model_validator(mode="after")

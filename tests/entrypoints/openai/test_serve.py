@@ -242,6 +242,18 @@ def test_bad_chat_requests_get_a_400_naming_the_field(base_url, change, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
+def test_documents_at_the_engines_limit_are_served_and_one_byte_more_is_a_400_naming_them(base_url):
+    from rag_speculate.engine.inputs import MAX_DOCUMENT_BYTES
+
+    at_limit = (DOCUMENT * (MAX_DOCUMENT_BYTES // len(DOCUMENT) + 1))[:MAX_DOCUMENT_BYTES]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1}
+    assert httpx.post(f"{base_url}/chat/completions", json=body | {"documents": [at_limit]}, timeout=60).status_code == 200
+    # As many characters, one byte more: the limit is in UTF-8 bytes.
+    over = body | {"documents": [at_limit[:-1], "é"]}
+    response = httpx.post(f"{base_url}/chat/completions", json=over, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "documents", response.text
+
+
 def test_a_request_without_max_tokens_gets_the_room_the_models_limit_leaves(server, engine):
     """Prepared once, with the answer's bound from the prompt's counted tokens: the same request as
     the engine's own for that bound."""
