@@ -54,6 +54,7 @@ from rag_speculate.decoding.baseline import timed_generate
 from rag_speculate.decoding.forward import ModelForward, TreeForward
 from rag_speculate.decoding.kv_cache import keep_cache_entries, make_cache
 from rag_speculate.decoding.lean_forward import lean_forward
+from rag_speculate.decoding.probe import probe_ids
 from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.models.gguf_file import dense_gguf
 
@@ -189,7 +190,7 @@ def forward_costs(model: PreTrainedModel, contexts: list[int], sizes: tuple[int,
     if lean is not None:
         forwards["lean "] = TreeForward(model, forward=lean)
     vocab = model.config.vocab_size
-    ids = [(7 * i + 3) % vocab for i in range(max(contexts) + max(sizes))]
+    ids = probe_ids(vocab, max(contexts) + max(sizes))
     out: dict = {}
     for context in contexts:
         cache = make_cache(model)

@@ -22,7 +22,6 @@ import pytest
 import torch
 from packaged_fixtures import DOCUMENT, MODEL, QWEN_TOOLS_TEMPLATE
 
-from rag_speculate import SpeculativeEngine
 from rag_speculate.entrypoints import engines
 from rag_speculate.models import loading
 from rag_speculate.entrypoints.openai import Server

@@ -167,7 +167,7 @@ class SpeculativeEngine:
         prompt: Prompt,
         *,
         documents: Sequence[Document] | None = None,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | Callable[[int], int] = 256,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -181,7 +181,8 @@ class SpeculativeEngine:
 
         `prompt` is text, token ids, or (with `chat=True`) a list of {"role", "content"} messages
         (roles system, user, assistant, tool; the last turn a user's or a tool's); `documents`
-        (text or token ids) feed the drafters only, never the prompt. `temperature=0` is greedy;
+        (text or token ids) feed the drafters only, never the prompt. `max_new_tokens` may be a
+        function of the prompt's length in tokens (the room a context leaves, say). `temperature=0` is greedy;
         `seed` makes sampling repeatable. `tools` (OpenAI function format, with `chat=True`) reach the
         chat template; their schemas and the tool results in the history also feed the drafters, since
         a call's arguments and an answer over tool results copy from them.

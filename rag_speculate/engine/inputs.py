@@ -15,7 +15,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -43,6 +43,9 @@ DOCUMENT_CACHE_BYTES = 64 << 20
 MAX_DOCUMENT_BYTES = 256 << 10
 MAX_DOCUMENT_TOKENS = 256 << 10
 _CORPUS_ADVICE = "index a corpus this large for the REST drafter instead"
+# A prompt's text, in UTF-8 bytes, per position the model has: tokens average a few bytes, so a prompt
+# past this could never fit the model's context, and is refused before tokenizing it costs seconds.
+MAX_PROMPT_BYTES_PER_POSITION = 16
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -59,7 +62,7 @@ class Inputs:
         prompt: Prompt,
         *,
         documents: Sequence[Document] | None,
-        max_new_tokens: int,
+        max_new_tokens: int | Callable[[int], int],
         temperature: float,
         top_p: float,
         top_k: int,
@@ -69,11 +72,14 @@ class Inputs:
         tools: Sequence[dict] | None,
     ) -> Request:
         # The cheap checks first: a request refused for its sampling settings tokenizes nothing.
-        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", 1)
+        if not callable(max_new_tokens):
+            check_int(max_new_tokens, "max_new_tokens", 1)
         sampling, stops, seed = sampling_params(temperature, top_p, top_k), stop_strings(stop), check_seed(seed)
         tools = check_tools(tools) if tools is not None else None
         document_ids = self.document_ids(documents)
         prompt_ids = self.prompt_ids(prompt, chat=chat, tools=tools)
+        if callable(max_new_tokens):  # the room a context leaves, say: known once the prompt is counted
+            max_new_tokens = check_int(max_new_tokens(len(prompt_ids)), "max_new_tokens", 1)
         self._check_length(len(prompt_ids), max_new_tokens)
         # The tool schemas and results are parts of the prompt: bounded with it by the check above,
         # not by the documents' limits.
@@ -91,7 +97,7 @@ class Inputs:
             check_text(prompt, "prompt")
             if chat:
                 return self._chat_ids([{"role": "user", "content": prompt}], tools)
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(self._fits(prompt))
         if chat and isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
             return self._chat_ids(list(prompt), tools)  # an empty chat is refused there, as a chat
         if not isinstance(prompt, Sequence) or not prompt:
@@ -110,7 +116,17 @@ class Inputs:
             )
         extra = {"tools": check_tools(tools)} if tools is not None else {}
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(self._fits(text), add_special_tokens=False)
+
+    def _fits(self, text: str) -> str:
+        """`text`, unless it is too long ever to fit the model's positions (`MAX_PROMPT_BYTES_PER_POSITION`)."""
+        limit = None if self.max_positions is None else MAX_PROMPT_BYTES_PER_POSITION * self.max_positions
+        if limit is not None and len(text) > limit // 4 and len(text.encode("utf-8")) > limit:
+            raise InvalidArgumentError(
+                f"prompt is {len(text.encode('utf-8'))} bytes; the model's {self.max_positions} positions hold "
+                f"at most {limit} bytes of text", "prompt",
+            )  # fmt: skip
+        return text
 
     def _token_ids(self, ids: Sequence[Any], what: str) -> list[int]:
         argument = what.split("[", 1)[0]

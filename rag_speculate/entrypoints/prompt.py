@@ -15,7 +15,7 @@ into the last user turn, numbered so that answers can cite them, and to the draf
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +69,7 @@ def prepare(
                 raise InvalidArgumentError(f"{name} reach the model through its chat template: they need a chat", name)
         if chunks:
             raise InvalidArgumentError("retrieved chunks go into a chat's last user turn: they need a chat", "chunks")
-        return Prepared(_request(engine, prompt, chat=False, tools=None, documents=documents, options=options))
+        return Prepared(engine.prepare(prompt, chat=False, documents=documents, **options))
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if messages and not all(isinstance(m, dict) for m in messages):
         raise InvalidArgumentError("a chat prompt is a question or a list of {'role', 'content'} messages", "prompt")
@@ -81,21 +81,8 @@ def prepare(
     offered = check_tools(tools) if tools is not None else []
     template_tools_, call_instruction = template_tools(offered, chosen_tool(tool_choice, offered))
     messages = with_instructions(messages, system=json_instruction(response_format), last=call_instruction)
-    request = _request(engine, messages, chat=True, tools=template_tools_, documents=drafted, options=options)
+    request = engine.prepare(messages, chat=True, tools=template_tools_, documents=drafted, **options)
     return Prepared(request, messages, template_tools_, list(chunks))
-
-
-def _request(
-    engine: SpeculativeEngine, prompt: Prompt, *, chat: bool, tools: list[dict] | None, documents: Sequence[Document] | None,
-    options: dict[str, Any],
-) -> Request:  # fmt: skip
-    """`engine.prepare`, with a `max_new_tokens` that depends on the prompt's length resolved first."""
-    max_new_tokens: int | Callable[[int], int] | None = options.get("max_new_tokens")
-    if callable(max_new_tokens):
-        # The prompt is tokenized twice then (here to count it, then by the engine); a function that
-        # refuses a prompt too long for the model keeps the second to prompts that fit its context.
-        options = {**options, "max_new_tokens": max_new_tokens(len(engine.encode_prompt(prompt, chat=chat, tools=tools)))}
-    return engine.prepare(prompt, chat=chat, tools=tools, documents=documents, **options)
 
 
 def rag_messages(question: str, chunks: Sequence[Chunk]) -> list[dict[str, str]]:

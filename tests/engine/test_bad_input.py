@@ -101,3 +101,30 @@ def test_documents_are_bounded_in_bytes_before_tokenizing_and_in_tokens_before_i
         request = engine.prepare("hi", documents=documents, max_new_tokens=2)
         assert sum(map(len, request.document_ids)) <= MAX_DOCUMENT_TOKENS
         assert len(engine.stream_request(request).collect().token_ids) == 2
+
+
+def test_a_prompt_too_long_for_any_tokenization_to_fit_is_refused_before_tokenizing(engine):
+    """The tiny model has 512 positions: no prompt over 16 bytes a position could fit them."""
+    from rag_speculate.engine.inputs import MAX_PROMPT_BYTES_PER_POSITION
+
+    limit = MAX_PROMPT_BYTES_PER_POSITION * 512
+    # Counted in UTF-8 bytes: "é" is two. (A chat's rendered template is counted the same way.)
+    with pytest.raises(InvalidArgumentError, match=f"hold at most {limit} bytes") as caught:
+        engine.prepare("é" * (limit // 2) + "a", max_new_tokens=2)
+    assert caught.value.argument == "prompt"
+    # At the limit it is tokenized, then refused for the positions it really takes.
+    with pytest.raises(InvalidArgumentError, match="exceeds the model's position limit"):
+        engine.prepare("a" * limit, max_new_tokens=2)
+
+
+def test_max_new_tokens_may_follow_from_the_prompts_length(engine):
+    lengths = []
+
+    def room(prompt_tokens: int) -> int:
+        lengths.append(prompt_tokens)
+        return 512 - prompt_tokens
+
+    request = engine.prepare("the quick brown fox", max_new_tokens=room)
+    assert lengths == [len(request.prompt_ids)] and request.max_new_tokens == 512 - len(request.prompt_ids)
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens must be an integer >= 1"):
+        engine.prepare("hi", max_new_tokens=lambda prompt_tokens: 0)
