@@ -232,7 +232,7 @@ def forward_cost_markdown(costs: dict, dtype: torch.dtype, device_name: str) -> 
 
 class ForwardClock:
     """Seconds inside each of an engine's target forwards (prefill first), read by wrapping
-    `ModelForward._logits`, which every forward of the engine's model runs through (one sequence's
+    `ModelForward.logits`, which every forward of the engine's model runs through (one sequence's
     or a batch's, the model's own forward or its lean one); a draft model's are not counted.
     Synchronized on CUDA, so the GPU's work is counted here and not in the read-back of the accepted
     tokens that follows it."""
@@ -240,7 +240,7 @@ class ForwardClock:
     def __init__(self, engine: SpeculativeEngine):
         self.seconds: list[float] = []
         model, device = engine.model, engine.model.device
-        inner = self._inner = ModelForward._logits
+        inner = self._inner = ModelForward.logits
 
         def timed(forward: ModelForward, *args, **kwargs):
             if forward.model is not model:
@@ -252,10 +252,10 @@ class ForwardClock:
             self.seconds.append(time.perf_counter() - started)
             return output
 
-        ModelForward._logits = timed
+        ModelForward.logits = timed
 
     def remove(self) -> None:
-        ModelForward._logits = self._inner
+        ModelForward.logits = self._inner
 
 
 @dataclass

@@ -226,7 +226,7 @@ class BatchForward(ModelForward):
         mask = self._mask(inputs, lengths, fed, cache.get_seq_length())
         keep = {"logits_to_keep": 1} if last_only and self._keeps_logits and len({len(i.tokens) for i in inputs}) == 1 else {}
         with shared_kv_heads(self.device):
-            logits = self._logits(cache, input_ids=torch.from_numpy(ids).to(self.device), position_ids=positions, attention_mask=mask, **keep)
+            logits = self.logits(cache, input_ids=torch.from_numpy(ids).to(self.device), position_ids=positions, attention_mask=mask, **keep)
         if last_only:
             return [logits[b, len(item.tokens) - 1 if not keep else -1][None] for b, item in enumerate(inputs)]
         return [logits[b, : len(item.tokens)] for b, item in enumerate(inputs)]

@@ -66,7 +66,8 @@ class ModelForward:
         self._keeps_logits = forward is not None or "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
 
-    def _logits(self, cache, **inputs) -> torch.Tensor:
+    def logits(self, cache, **inputs) -> torch.Tensor:
+        """The model's logits for `inputs` (its forward's arguments) on `cache`, as every forward here runs."""
         with self.context():
             if self._forward is not None:
                 return self._forward(cache=cache, **inputs)
@@ -80,7 +81,7 @@ class TreeForward(ModelForward):
     def prefill(self, cache: DynamicCache, input_ids: list[int]) -> torch.Tensor:
         """Logits after the last input token (only that row: a full RAG prompt's logits would take GBs)."""
         ids = torch.tensor([input_ids], device=self.device)
-        return self._logits(cache, input_ids=ids, **self._last_rows(1))[0, -1]
+        return self.logits(cache, input_ids=ids, **self._last_rows(1))[0, -1]
 
     def _last_rows(self, rows: int | None) -> dict:
         # Logits of rows nobody reads cost a vocabulary-sized product each.
@@ -95,7 +96,7 @@ class TreeForward(ModelForward):
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         with shared_kv_heads(self.device):
-            logits = self._logits(
+            logits = self.logits(
                 cache,
                 input_ids=ids,
                 attention_mask=tree_attention_mask(tree, past, self.mask_dtype, self.device),
@@ -108,5 +109,5 @@ class TreeForward(ModelForward):
     def chain(self, cache: DynamicCache, root: int, tree: DraftTree, last_rows: int | None = None) -> torch.Tensor:
         """Logits for [root, *chain] with the model's own causal mask; `tree` must be a single chain."""
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        logits = self._logits(cache, input_ids=ids, **self._last_rows(last_rows))[0]
+        logits = self.logits(cache, input_ids=ids, **self._last_rows(last_rows))[0]
         return logits[-last_rows:] if last_rows else logits

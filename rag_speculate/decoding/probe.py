@@ -49,7 +49,7 @@ def tree_attention(forward: TreeForward, *, exact: bool = True) -> str:
     try:
         # Through the same kernels and forward: in bf16 torch's kernels round several rows differently.
         ids = torch.tensor([[a, b, c, e]], device=forward.device)
-        reference = forward._logits(make_cache(forward.model), input_ids=ids)[0].float()
+        reference = forward.logits(make_cache(forward.model), input_ids=ids)[0].float()
         logits, after = _tree_then_step(forward, a, b, tree, e, gather=True)
         if not exact:
             # What ignoring them would give: c seeing its siblings; the cache keeping them all.

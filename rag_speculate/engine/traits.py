@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ def kernel_context(model: PreTrainedModel, wanted: bool | None = None) -> tuple[
 
 @dataclass(frozen=True)
 class ModelTraits:
+    """What the engine's model can do, learnt once (`learn`); a capability that is off says why."""
+
     device: torch.device
     dtype: torch.dtype
     vocab_size: int
@@ -67,7 +70,7 @@ class ModelTraits:
     rows_alone: Trait
     # What the model's forwards run: the forward in place of the model's own (None: its own) and the
     # context around every call (the kernels' mode where the lean forward does not call them itself).
-    forward: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+    forward: Callable[..., torch.Tensor] | None = field(default=None, repr=False, compare=False)
     context: ForwardContext = field(default=contextlib.nullcontext, repr=False, compare=False)
 
     @classmethod
