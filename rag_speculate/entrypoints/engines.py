@@ -5,6 +5,7 @@ a draft model (`rag_drafters`), all given when the engine is built."""
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +52,8 @@ def shared_engine(
     options = {name: value for name, value in options.items() if value is not None}
     # A folder as given (the engine checks it): two spellings of one folder make two engines sharing it.
     key = (model, dtype, str(resolved), quantization, None if index is None else str(index.path), draft_model,
-           draft_quantization, tuple(sorted((name, repr(value)) for name, value in options.items())))  # fmt: skip
+           draft_quantization, tuple(sorted((name, repr(os.fspath(value) if isinstance(value, os.PathLike) else value))
+                                            for name, value in options.items())))  # fmt: skip
     # Loading under the lock makes a concurrent second caller wait for this copy instead of loading another.
     with _engines_lock:
         if key not in _engines:
