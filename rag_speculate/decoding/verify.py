@@ -11,6 +11,8 @@ the bonus and we stop. Every emitted token is therefore exactly the target's own
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +34,21 @@ class Verification:
     target_tokens: list[int]
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verification:
-    """Walk the tree, following a child only when it carries the target's own choice."""
-    target_tokens = logits.argmax(dim=-1).tolist()
+def greedy_choices(logits: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Each of several forwards' rows' argmax, read to the host at once: on a GPU every read waits for
+    the device, so a step reads its rows' choices once, not once a row."""
+    flat = torch.cat([rows.argmax(dim=-1) for rows in logits]).tolist()
+    ends = list(itertools.accumulate(len(rows) for rows in logits))
+    return [flat[end - len(rows) : end] for rows, end in zip(logits, ends)]
+
+
+def accept(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    target_tokens: list[int] | None = None,
+) -> Verification:  # fmt: skip
+    """Walk the tree, following a child only when it carries the target's own choice (`target_tokens`:
+    the rows' argmax, where `greedy_choices` read them already)."""
+    target_tokens = logits.argmax(dim=-1).tolist() if target_tokens is None else target_tokens
     children = tree.children()
     node, path = ROOT, []
     while True:

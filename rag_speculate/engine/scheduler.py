@@ -39,7 +39,7 @@ from ..decoding.request import Request
 from ..decoding.result import Channel, GenerationResult, GenerationStats
 from ..decoding.sampling import sample_token
 from ..decoding.tree import DraftTree
-from ..decoding.verify import Verification, accept
+from ..decoding.verify import Verification, accept, greedy_choices
 from ..drafters import DraftContext, Drafter
 from ..errors import RagSpeculateError
 from .runner import BatchRunner, SequentialRunner
@@ -224,7 +224,9 @@ class Scheduler:
         started = time.perf_counter()
         try:
             logits = self.runner.verify([(s.key, s.tokens[-1], tree) for s, tree in steps], width)
-            verifications = [accept(tree, rows, s.request.sampling, s.generator) for (s, tree), rows in zip(steps, logits)]
+            choices = greedy_choices(logits)
+            verifications = [accept(tree, rows, s.request.sampling, s.generator, chosen)
+                             for (s, tree), rows, chosen in zip(steps, logits, choices)]  # fmt: skip
             self.runner.keep({s.key: [0] + [i + 1 for i in v.accepted_nodes] for (s, _), v in zip(steps, verifications)})
         except Exception as error:  # noqa: BLE001 - the forward failed: every row in it
             for sequence, _ in steps:

@@ -12,6 +12,7 @@ from transformers.integrations import sdpa_attention
 from rag_speculate.decoding.forward import TreeForward
 from rag_speculate.decoding.kv_cache import cache_keyword, make_cache
 from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.decoding.verify import greedy_choices
 
 TREE = DraftTree([11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 3, -1])
 
@@ -75,3 +76,9 @@ def test_the_cache_goes_under_the_keyword_the_models_forward_names():
     cache = make_cache(model)
     TreeForward(model).prefill(cache, [3, 4, 5])
     assert cache.get_seq_length() == 3
+
+
+def test_greedy_choices_read_every_rows_argmax_at_once():
+    generator = torch.Generator().manual_seed(0)
+    logits = [torch.randn(rows, 50, generator=generator) for rows in (1, 4, 17)]
+    assert greedy_choices(logits) == [rows.argmax(dim=-1).tolist() for rows in logits]
