@@ -37,6 +37,7 @@ from harness import (
 from rag_speculate import Datastore, SpeculativeEngine
 from rag_speculate.drafters.ouroboros.int8 import int8_draft_model
 from rag_speculate.models.loading import load_model
+from rag_speculate.quantization import METHODS as QUANTIZATIONS
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ["summarization", "rag", "qa", "math_reasoning", "translation"]
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="for hf-assisted, ouroboros and combined")
     parser.add_argument("--draft-int8", action="store_true",
                         help="the draft model computes in int8 (int8_draft_model in rag_speculate/drafters/ouroboros/int8.py), for every method that uses it")
+    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=None,
+                        help="the draft model's linear layers quantized as from_pretrained's quantization= does them "
+                             "(int8 or 4-bit weights, or a GGUF file's own tensors), instead of --draft-int8")
     parser.add_argument("--datastore", type=Path, default=None, help="for rest, trie+rest and combined")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
@@ -114,7 +118,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     engine = SpeculativeEngine.from_pretrained(args.model, dtype=dtype)
-    draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    if args.draft_int8 and args.draft_quantization:
+        raise SystemExit("--draft-int8 and --draft-quantization are two ways to quantize the draft model: pass one")
+    draft = load_model(args.draft_model, dtype=dtype, quantization=args.draft_quantization) if args.draft_model else None
     if draft and args.draft_int8:
         draft = (int8_draft_model(draft[0]), draft[1])
     methods = build_methods(args.methods.split(","), engine, datastore=open_datastore(args.datastore, engine.tokenizer), draft=draft)
