@@ -91,7 +91,7 @@ def rows_together(batched: BatchForward, single: TreeForward) -> str:
         batched(cache, [Fed(r, p) for r, p in zip(rows, prompts)])
         for row, prompt in zip(rows, prompts):
             cache.advance(row, len(prompt))
-        together = batched(cache, [Fed(r, tokens, [ROOT, *range(len(tokens) - 1)]) for r, tokens in zip(rows, fed)])
+        together = batched(cache, [Fed(r, tokens, DraftTree.chain(tokens[1:]).fed_parents()) for r, tokens in zip(rows, fed)])
         alone = []
         for prompt, tokens in zip(prompts, fed):
             own = make_cache(single.model)
@@ -140,7 +140,7 @@ def timed_rows(batched: BatchForward) -> Callable[[int], None]:
     @torch.inference_mode()
     def run(q: int) -> None:
         # Nothing kept: the next forward writes over the same entries.
-        batched(cache, [Fed(row, [1] * q, [ROOT, *range(q - 1)])])
+        batched(cache, [Fed(row, [1] * q, DraftTree.chain([1] * (q - 1)).fed_parents())])
         _synchronize(batched.device)
 
     return run

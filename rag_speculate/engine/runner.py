@@ -19,7 +19,7 @@ from ..decoding.batch import BatchCache, BatchForward, Fed
 from ..decoding.forward import TreeForward
 from ..decoding.kv_cache import keep_cache_entries, make_cache, window_holds
 from ..decoding.prompt_cache import PromptCache, Reused
-from ..decoding.tree import ROOT, DraftTree
+from ..decoding.tree import DraftTree
 from .traits import ModelTraits
 
 
@@ -53,7 +53,7 @@ class BatchRunner:
     def verify(self, steps: Sequence[tuple[int, int, DraftTree]], width: int) -> list[torch.Tensor]:
         """One forward over every (sequence, root, draft) given, each padded to `width` tokens; each's
         logits, `[1 + nodes, vocab]`."""
-        inputs = [Fed(self.rows[key], [root, *tree.tokens], [ROOT, *(p + 1 for p in tree.parents)]) for key, root, tree in steps]
+        inputs = [Fed(self.rows[key], [root, *tree.tokens], tree.fed_parents()) for key, root, tree in steps]
         return self.forward(self.cache, inputs)
 
     def keep(self, kept: dict[int, list[int]]) -> None:
