@@ -43,7 +43,7 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, in
             continue
         quantized = [quantize(w, method, group) for w in weights]
         found[f"ours {name}"] = lambda x, i, q=quantized, lib=quantized_library: run_quantized(
-            lib, x, q[i].values, q[i].scale, q[i].offset, q[i].group_shift, q[i].shape[0], None
+            lib, x, q[i].values, q[i].scale, q[i].offset, q[i].group_shift, q[i].shape[0], None, q[i].sub
         )
     # torch's int8 weight-only product for CPUs (what torchao's int8 weight-only layers call there): a scale per row.
     scales = [w.float().abs().amax(dim=1) / 127 for w in weights]

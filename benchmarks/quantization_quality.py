@@ -4,10 +4,10 @@ dev items, the last `--positions` positions of each prompt, teacher-forced, one 
 
 Prints, per setting, how often the two models' top tokens agree and the mean KL divergence of the
 quantized model's next-token distribution from fp32's, KL(fp32 ‖ quantized). Each setting runs the product its layers
-compute (`quantization.formats`: `dequantize` of the quantized weights times, for int8, each row's
-activations as `quantize_activations` rounds them), in torch, so groups the CPU kernel does not
-time can be compared: int8 in groups of 32 (GGUF's Q8_0, llama.cpp's activations), 64 and 128
-(ours), and our 4-bit.
+compute (`quantization.formats`: `dequantize` of the quantized weights times each row's activations
+as `quantize_activations` rounds them), in torch, so groups the CPU kernel does not time can be
+compared: int8 in groups of 32 (GGUF's Q8_0, llama.cpp's activations), 64 and 128 (ours), and our
+4-bit (Q4_K).
 
 With `--answers`, instead: how often quantizing changes the 16-bit model's greedy answer. Each
 setting answers every item through the engine (`SpeculativeEngine.from_pretrained(quantization=...)`,
@@ -39,16 +39,15 @@ from llamacpp_peer import engine_method, llama_method, shared_prefix
 from spec_bench import load_items
 
 from rag_speculate import SpeculativeEngine
-from rag_speculate.cpu.linear import activation_block
 from rag_speculate.devices import cpu_flags, default_dtype
 from rag_speculate.models.packaged import gguf_path
-from rag_speculate.quantization.formats import dequantize, quantize, quantize_activations
+from rag_speculate.quantization.formats import dequantize, input_block, quantize, quantize_activations
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 DATA = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"
 CATEGORIES = ["summarization", "rag"]
 SETTINGS = {"int8, groups of 32 (Q8_0)": ("int8", 32), "int8, groups of 64": ("int8", 64),
-            "int8, groups of 128 (ours)": ("int8", 128), "4-bit, groups of 32 (ours)": ("int4", 32)}  # fmt: skip
+            "int8, groups of 128 (ours)": ("int8", 128), "4-bit, Q4_K super-blocks (ours)": ("int4", 256)}  # fmt: skip
 
 
 def set_layers(linears: list[torch.nn.Linear], setting: tuple[str, int] | None) -> None:
@@ -60,9 +59,8 @@ def set_layers(linears: list[torch.nn.Linear], setting: tuple[str, int] | None) 
             continue
         method, group = setting
         quantized = quantize(layer.weight, method, group)
-        weight, block = dequantize(quantized), activation_block(quantized.group_shift)
-        inputs = (lambda x, block=block: quantize_activations(x, block)) if method == "int8" else (lambda x: x)
-        layer.forward = lambda x, layer=layer, weight=weight, inputs=inputs: F.linear(inputs(x), weight, layer.bias)
+        weight, block = dequantize(quantized), input_block(quantized.format, quantized.group_shift)
+        layer.forward = lambda x, layer=layer, weight=weight, block=block: F.linear(quantize_activations(x, block), weight, layer.bias)
 
 
 def answers(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -37,9 +38,11 @@ def kernels_dir() -> Path:
 
 
 def library_path(source_path: Path, flags: list[str], stem: str, compiler: str) -> Path:
-    """`stem-<hash>.so`, the hash covering the source, the compiler and the flags."""
+    """`stem-<hash>.so`, the hash covering the source, the headers beside it that it includes, the
+    compiler and the flags."""
     source = source_path.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
+    headers = [source_path.with_name(name.decode()).read_bytes() for name in re.findall(rb'^#include "([^"/]+)"', source, re.M)]
+    digest = hashlib.sha256(b"\0".join([source, *headers, compiler.encode(), *(f.encode() for f in flags)])).hexdigest()[:16]
     return kernels_dir() / f"{stem}-{digest}.so"
 
 

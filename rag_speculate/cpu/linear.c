@@ -2,12 +2,7 @@
  * fp32 (AVX-512F or AVX2 + FMA), bf16 with -DLINEAR_BF16 (AVX512-BF16's pair products with
  * -DBF16_DOT, else each bf16 widened to fp32 and multiplied in fp32); the weight's rows shared among
  * the kernels' threads (pool.c).
- *
- * 4-bit weights, x and y in fp32 or bf16 (`linear_quantized`, -DWEIGHTS_Q4): values with a scale
- * and an offset per group of k, w = fma(q, scale, offset). Each weight is made fp32 that way,
- * exactly the same whenever it is read, and then summed as an fp32 weight is: a quantized layer
- * computes what an fp32 layer holding the dequantized weights computes, bit for bit. (int8 weights
- * meet int8 activations in their own kernel, linear_q8.c.)
+ * (Quantized weights meet int8 activations in kernels of their own: linear_q8.c, linear_q4.c.)
  *
  * The invariant: an output y[m][n] is the same sequence of operations on the same inputs, whatever
  * M and whatever rows sit beside m. Its vector accumulator adds w[n][k..k+LANES) x[m][k..k+LANES)
@@ -39,15 +34,6 @@ typedef __m512 acc_t;
 #define widen(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define store_f32(p, v) _mm512_storeu_ps(p, v)
 #define set1(f) _mm512_set1_ps(f)
-/* 16 4-bit values from the 8 bytes at p (see Q4 below): lane e takes dword e % 2 shifted by 4 (e / 2). */
-static inline __m512 q4_to_f32(const uint8_t *p, int64_t half) {
-    (void)half;
-    int64_t word;
-    memcpy(&word, p, sizeof word);
-    const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(word), shifts), _mm512_set1_epi32(15));
-    return _mm512_cvtepi32_ps(nibbles);
-}
 #else
 #define W_ROWS 3
 #define X_ROWS 4
@@ -65,14 +51,6 @@ static inline float sum(__m256 v) {
 #define widen(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define store_f32(p, v) _mm256_storeu_ps(p, v)
 #define set1(f) _mm256_set1_ps(f)
-/* Values 8 * half .. 8 * half + 7 of the 16 whose 4 bits the 8 bytes at p hold (see Q4 below). */
-static inline __m256 q4_to_f32(const uint8_t *p, int64_t half) {
-    int64_t word;
-    memcpy(&word, p, sizeof word);
-    const __m256i shifts = half ? _mm256_setr_epi32(16, 16, 20, 20, 24, 24, 28, 28) : _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
-    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi64x(word), shifts), _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(nibbles);
-}
 #endif
 
 /* Rows of x in one cache block, and weight rows in one: the block of weights (BLOCK_N x K) stays in
@@ -133,81 +111,24 @@ typedef acc_t vec_x;
 #define from_float(v) (v)
 #endif
 
-#ifdef WEIGHTS_Q4
-#define QUANTIZED 1
-#ifdef BF16_DOT
-#error "quantized weights are widened to fp32: no BF16_DOT"
-#endif
-#endif
-
-/* Where a kernel reads its weights: N rows of K, plain (`w`), or 4-bit values with a scale and an
- * offset per group of 2^group_shift values along k, `groups` per row.
- * Q4 packs each 16 values of a row in 8 bytes: the low dword holds values 0, 2, .., 14 and the high
- * one values 1, 3, .., 15, 4 bits each from the lowest, so one broadcast and one shift per lane
- * unpack them in order on AVX2 and AVX-512 alike. A tile may instead read `scratch`: fp32 weights
- * already dequantized, `ld` apart, starting at k = k_base. */
+/* The weights: N rows of K. */
 typedef struct {
     const elem *w;
-    const void *q;
-    const float *scale, *offset;
-    int64_t K, groups, group_shift;
-    const float *scratch;
-    int64_t ld, n_base, k_base;
+    int64_t K;
 } weights;
-
-/* Weight row n's values k .. k + LANES as a vector, in the format the tile multiplies. */
-static inline __attribute__((always_inline)) vec_w load_w_at(const weights *W, int64_t n, int64_t k, const int scratch) {
-#ifdef QUANTIZED
-    if (scratch) return load_f32(W->scratch + (n - W->n_base) * W->ld + (k - W->k_base));
-    const float s = W->scale[n * W->groups + (k >> W->group_shift)];
-    const float o = W->offset[n * W->groups + (k >> W->group_shift)];
-    return fmadd(q4_to_f32((const uint8_t *)W->q + n * (W->K / 2) + (k / 16) * 8, (k / LANES) & 1), set1(s), set1(o));
-#else
-    (void)scratch;
-    return load_w(W->w + n * W->K + k);
-#endif
-}
 
 /* m rows of x against r weight rows over k in [k0, k1) (multiples of STEP), adding to the vector
  * accumulators `acc` (r x m of them, kept between calls); m and r are constants in each instance, so
  * the loops unroll. Storing an accumulator and loading it back changes none of its bits. */
 static inline __attribute__((always_inline)) void tile(const xelem *x, const weights *W, int64_t n, acc_t *acc, const int m,
-                                                       const int r, int64_t k0, int64_t k1, const int scratch) {
+                                                       const int r, int64_t k0, int64_t k1) {
     const int64_t K = W->K;
     acc_t a[W_ROWS][X_ROWS];
     for (int j = 0; j < r; j++)
         for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i];
-#ifdef QUANTIZED
-    if (!scratch) {
-        /* Group by group: each row's scale and offset broadcast once per group, not once per step;
-         * the same operations on the same values as `load_w_at`, so the same bits. */
-        const int64_t shift = W->group_shift;
-        for (int64_t k = k0; k < k1;) {
-            const int64_t g = k >> shift, next = shift >= 62 ? k1 : (g + 1) << shift, end = next < k1 ? next : k1;
-            vec_w sv[W_ROWS];
-            vec_w ov[W_ROWS];
-            for (int j = 0; j < r; j++) {
-                sv[j] = set1(W->scale[(n + j) * W->groups + g]);
-                ov[j] = set1(W->offset[(n + j) * W->groups + g]);
-            }
-            for (; k < end; k += STEP) {
-                vec_w wv[W_ROWS];
-                for (int j = 0; j < r; j++)
-                    wv[j] = fmadd(q4_to_f32((const uint8_t *)W->q + (n + j) * (K / 2) + (k / 16) * 8, (k / LANES) & 1), sv[j], ov[j]);
-                for (int i = 0; i < m; i++) {
-                    const vec_x xv = load_x(x + i * K + k);
-                    for (int j = 0; j < r; j++) a[j][i] = madd(a[j][i], wv[j], xv);
-                }
-            }
-        }
-        for (int j = 0; j < r; j++)
-            for (int i = 0; i < m; i++) acc[j * X_ROWS + i] = a[j][i];
-        return;
-    }
-#endif
     for (int64_t k = k0; k < k1; k += STEP) {
         vec_w wv[W_ROWS];
-        for (int j = 0; j < r; j++) wv[j] = load_w_at(W, n + j, k, scratch);
+        for (int j = 0; j < r; j++) wv[j] = load_w(W->w + (n + j) * K + k);
         for (int i = 0; i < m; i++) {
             const vec_x xv = load_x(x + i * K + k);
             for (int j = 0; j < r; j++) a[j][i] = madd(a[j][i], wv[j], xv);
@@ -217,17 +138,14 @@ static inline __attribute__((always_inline)) void tile(const xelem *x, const wei
         for (int i = 0; i < m; i++) acc[j * X_ROWS + i] = a[j][i];
 }
 
-/* Each tile in two kinds: reading the weights where they are, and (quantized) from the scratch. */
 #define TILES(m)                                                                                                   \
-    static void full_##m(const xelem *x, const weights *W, int64_t n, acc_t *acc, int64_t k0, int64_t k1, int s) { \
-        if (s) tile(x, W, n, acc, m, W_ROWS, k0, k1, 1);                                                           \
-        else tile(x, W, n, acc, m, W_ROWS, k0, k1, 0);                                                             \
+    static void full_##m(const xelem *x, const weights *W, int64_t n, acc_t *acc, int64_t k0, int64_t k1) {         \
+        tile(x, W, n, acc, m, W_ROWS, k0, k1);                                                                     \
     }                                                                                                              \
-    static void single_##m(const xelem *x, const weights *W, int64_t n, acc_t *acc, int64_t k0, int64_t k1, int s) { \
-        if (s) tile(x, W, n, acc, m, 1, k0, k1, 1);                                                                \
-        else tile(x, W, n, acc, m, 1, k0, k1, 0);                                                                  \
+    static void single_##m(const xelem *x, const weights *W, int64_t n, acc_t *acc, int64_t k0, int64_t k1) {       \
+        tile(x, W, n, acc, m, 1, k0, k1);                                                                          \
     }
-typedef void (*tile_fn)(const xelem *, const weights *, int64_t, acc_t *, int64_t, int64_t, int);
+typedef void (*tile_fn)(const xelem *, const weights *, int64_t, acc_t *, int64_t, int64_t);
 /* Tiles of W_ROWS weight rows, and of single rows for the last N % W_ROWS, by their rows of x. */
 TILES(1) TILES(2) TILES(3)
 #if X_ROWS == 4
@@ -240,18 +158,14 @@ static const tile_fn SINGLE[] = {0, single_1, single_2, single_3};
 #endif
 
 /* The outputs of one tile from its accumulators: the lanes summed, then the tail, then the bias,
- * rounded once. (Quantized weights come in whole groups of 16: no tail.) */
+ * rounded once. */
 static void finish(const xelem *x, const weights *W, int64_t n, const elem *bias, elem *out, const acc_t *acc, int m, int r,
                    int64_t N) {
     const int64_t K = W->K, kv = K - K % STEP;
     for (int j = 0; j < r; j++)
         for (int i = 0; i < m; i++) {
             float tail = 0.0f;
-#ifndef QUANTIZED
             for (int64_t k = kv; k < K; k++) tail += to_float(W->w[(n + j) * K + k]) * x_to_float(x[i * K + k]);
-#else
-            (void)kv;
-#endif
             out[i * N + j] = from_float(sum(acc[j * X_ROWS + i]) + tail + (bias ? to_float(bias[j]) : 0.0f));
         }
 }
@@ -260,9 +174,7 @@ static void finish(const xelem *x, const weights *W, int64_t n, const elem *bias
  *
  * Weights in blocks of BLOCK_N rows, x in blocks of BLOCK_M rows, and k in chunks of CHUNK_K: a
  * chunk of a tile's x rows stays in L1 while the block's weight rows pass it, the block's chunk of
- * weights stays in L2. Each tile's accumulators wait in `accs` between chunks. Quantized weights
- * are dequantized in registers for a few rows of x; for more, each block's chunk is dequantized
- * once into a scratch of fp32 (the same values) that every tile of rows reads. */
+ * weights stays in L2. Each tile's accumulators wait in `accs` between chunks. */
 /* One call's work, shared with the pool's parts (`pool.c`). */
 typedef struct {
     const xelem *x;
@@ -287,15 +199,8 @@ static void run_part(void *ctx, int64_t part, int64_t parts) {
     /* Accumulators for the rows of x there are, up to a block: a decoding step's one row needs one
      * tile's worth, and a small allocation stays off mmap (whose unmapping stalls every thread). */
     const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS, tiles_n = BLOCK_N;
-#ifdef QUANTIZED
-    const int scratch = M > X_ROWS;
-#else
-    const int scratch = 0;
-#endif
     acc_t *accs = aligned_alloc(64, sizeof(acc_t) * tiles_m * tiles_n * X_ROWS);
-    weights W = *J->W;
-    float *dequantized = scratch ? aligned_alloc(64, sizeof(float) * BLOCK_N * CHUNK_K) : NULL;
-    W.scratch = dequantized;
+    const weights *W = J->W;
     for (int64_t b = blocks * part / parts; b < blocks * (part + 1) / parts; b++) {
         const int64_t n_start = b * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
         for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
@@ -304,20 +209,12 @@ static void run_part(void *ctx, int64_t part, int64_t parts) {
             for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * tiles_n * X_ROWS; t++) accs[t] = zero();
             for (int64_t k0 = 0; k0 < kv; k0 += chunk) {
                 const int64_t k1 = k0 + chunk < kv ? k0 + chunk : kv;
-#ifdef QUANTIZED /* only there are weights fp32 vectors once loaded (BF16_DOT's are bf16 pairs) */
-                if (scratch) {
-                    W.ld = k1 - k0, W.n_base = n_start, W.k_base = k0;
-                    for (int64_t n = n_start; n < n_end; n++)
-                        for (int64_t k = k0; k < k1; k += LANES)
-                            store_f32(dequantized + (n - n_start) * W.ld + (k - k0), load_w_at(&W, n, k, 0));
-                }
-#endif
                 for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
                     const int64_t m = m_end - m0 < X_ROWS ? m_end - m0 : X_ROWS;
                     acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
                     for (int64_t n = n_start; n < n_end;) {
                         const int full = n + W_ROWS <= n_end;
-                        (full ? FULL : SINGLE)[m](x + m0 * K, &W, n, row_accs + (n - n_start) * X_ROWS, k0, k1, scratch);
+                        (full ? FULL : SINGLE)[m](x + m0 * K, W, n, row_accs + (n - n_start) * X_ROWS, k0, k1);
                         n += full ? W_ROWS : 1;
                     }
                 }
@@ -327,13 +224,12 @@ static void run_part(void *ctx, int64_t part, int64_t parts) {
                 const acc_t *row_accs = accs + (m0 - m_block) / X_ROWS * tiles_n * X_ROWS;
                 for (int64_t n = n_start; n < n_end;) {
                     const int r = n + W_ROWS <= n_end ? W_ROWS : 1;
-                    finish(x + m0 * K, &W, n, bias ? bias + n : 0, out + m0 * N + n, row_accs + (n - n_start) * X_ROWS, m, r, N);
+                    finish(x + m0 * K, W, n, bias ? bias + n : 0, out + m0 * N + n, row_accs + (n - n_start) * X_ROWS, m, r, N);
                     n += r;
                 }
             }
         }
     }
-    free(dequantized);
     free(accs);
 }
 
@@ -351,18 +247,7 @@ static void run(const elem *x_in, const weights *W, const elem *bias, elem *out,
     free(widened);
 }
 
-#ifdef QUANTIZED
-/* 4-bit weights (see `weights`): K a multiple of 16, groups of 2^group_shift >= 16 values
- * (one group per row: a group_shift past K's bits). */
-void linear_quantized(const elem *x, const void *q, const float *scale, const float *offset, int64_t group_shift,
-                      const elem *bias, elem *out, int64_t M, int64_t N, int64_t K, int threads) {
-    const weights W = {.q = q, .scale = scale, .offset = offset, .K = K,
-                       .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift};
-    run(x, &W, bias, out, M, N, K, threads);
-}
-#else
 void linear(const elem *x, const elem *w, const elem *bias, elem *out, int64_t M, int64_t N, int64_t K, int threads) {
     const weights W = {.w = w, .K = K};
     run(x, &W, bias, out, M, N, K, threads);
 }
-#endif

@@ -29,14 +29,15 @@ from ..devices import cpu_flags
 from .build import BASE_FLAGS, compile_kernel
 
 _SOURCE = Path(__file__).with_name("linear.c")
-# int8 weights take int8 activations: integer products, their own kernel (AVX2, fp32 in and out).
+# Quantized weights take int8 activations: integer products, kernels of their own (fp32 in and out):
+# int8 weights (AVX2), 4-bit ones in GGUF's Q4_K layout (AVX2, or AVX-512 with VNNI where the CPU has it).
 _Q8_SOURCE = Path(__file__).with_name("linear_q8.c")
+_Q4_SOURCE = Path(__file__).with_name("linear_q4.c")
 # AVX-512 where torch found it (more registers: larger tiles), else AVX2.
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Weights as they are (""), or quantized: int8 with a scale per group (with int8 activations), 4 bits
-# with a scale and an offset.
-WEIGHT_FORMATS = ("", "q8", "q4")
+# Values per 4-bit super-block the kernel takes: Q4_K's 256, or fewer where a layer's inputs need it.
+Q4_SIZES = (256, 128, 64)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +99,9 @@ def linear_library(dtype: torch.dtype = torch.float32, weights: str = "") -> tup
     capability = torch.backends.cpu.get_cpu_capability()
     if weights == "q8":
         return build_linear_q8(_Q8_SOURCE, capability)
-    return build_linear(_SOURCE, dtype, capability, weights)
+    if weights == "q4":
+        return build_linear_q4(_Q4_SOURCE, capability)
+    return build_linear(_SOURCE, dtype, capability)
 
 
 def isa_unsupported(isa: str, what: str) -> str:
@@ -111,34 +114,25 @@ def isa_unsupported(isa: str, what: str) -> str:
     return ""
 
 
-def build_linear(source_path: Path, dtype: torch.dtype, isa: str, weights: str = "") -> tuple[ctypes.CDLL | None, str]:
+def build_linear(source_path: Path, dtype: torch.dtype, isa: str) -> tuple[ctypes.CDLL | None, str]:
     """`source_path` (the kernel, or another version of it that a benchmark compares) compiled for
-    `dtype`, the instruction set `isa` ("AVX512" or "AVX2") and the weight format `weights` into the
-    cache unless already there, and loaded; or None and why not."""
+    `dtype` and the instruction set `isa` ("AVX512" or "AVX2") into the cache unless already there,
+    and loaded; or None and why not."""
     reason = isa_unsupported(isa, "the linear kernel")
     if reason:
         return None, reason
     if dtype not in _KERNEL_DTYPES:
         return None, f"the linear kernel is for fp32 and bf16, not {dtype}"
-    if weights not in ("", "q4"):
-        raise ValueError(f"unknown weight format {weights!r} for {source_path.name}: one of '', 'q4' (q8: build_linear_q8)")
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
     if dtype == torch.bfloat16:
         flags.append("-DLINEAR_BF16")
-        # Quantized weights are widened to fp32 whatever the CPU: no pair products for them.
-        if isa == "AVX512" and "avx512_bf16" in cpu_flags() and not weights:
+        if isa == "AVX512" and "avx512_bf16" in cpu_flags():
             flags += ["-mavx512bf16", "-DBF16_DOT"]
-    if weights:
-        flags.append(f"-DWEIGHTS_{weights.upper()}")
-    stem = f"linear-{str(dtype).removeprefix('torch.')}-{isa.lower()}{'-' + weights if weights else ''}"
-    lib, reason = compile_kernel(source_path, flags, stem, "the linear kernel")
+    lib, reason = compile_kernel(source_path, flags, f"linear-{str(dtype).removeprefix('torch.')}-{isa.lower()}", "the linear kernel")
     if lib is None:
         return None, reason
-    if weights:
-        _declare_quantized(lib)
-    else:
-        lib.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        lib.linear.restype = None
+    lib.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.linear.restype = None
     return lib, ""
 
 
@@ -150,13 +144,27 @@ def build_linear_q8(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, st
         return None, reason
     lib, reason = compile_kernel(source_path, [*BASE_FLAGS, *ISA_FLAGS["AVX2"]], "linear-q8-avx2", "the int8 kernel")
     if lib is not None:
-        _declare_quantized(lib)
+        lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear_quantized.restype = None
     return lib, reason
 
 
-def _declare_quantized(lib: ctypes.CDLL) -> None:
-    lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.linear_quantized.restype = None
+def build_linear_q4(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, str]:
+    """`source_path` (`linear_q4.c`, or a version a benchmark compares) compiled for `isa` ("AVX512",
+    with VNNI where the CPU has it, or "AVX2") into the cache unless already there, and loaded; or
+    None and why not."""
+    reason = isa_unsupported(isa, "the 4-bit kernel")
+    if reason:
+        return None, reason
+    flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
+    if isa == "AVX512":
+        flags += ["-mavx512bw", "-mavx512vl", "-mavx2"] + (["-mavx512vnni"] if "avx512_vnni" in cpu_flags() else [])
+    vnni = "-vnni" if "-mavx512vnni" in flags else ""
+    lib, reason = compile_kernel(source_path, flags, f"linear-q4-{isa.lower()}{vnni}", "the 4-bit kernel")
+    if lib is not None:
+        lib.linear_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear_q4.restype = None
+    return lib, reason
 
 
 def activation_block(group_shift: int) -> int:
@@ -168,27 +176,30 @@ def activation_block(group_shift: int) -> int:
 
 def run_quantized(
     library: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-    group_shift: int, out_features: int, bias: torch.Tensor | None,
+    group_shift: int, out_features: int, bias: torch.Tensor | None, sub: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, w, bias)` for the quantized weights `w` through `library`: q8 values `q` [out, in]
-    int8 (`linear_q8.c`: x quantized to int8 row by row, fp32 in and out, so bf16 is widened first),
-    or q4 values packed [out, in / 2] uint8 (`linear.c`, built for x's dtype); fp32 `scale` and
-    `offset` per group of 2**group_shift."""
+    """`F.linear(x, w, bias)` for the quantized weights `w` through `library`, with x quantized to
+    int8 row by row (fp32 in and out, so bf16 is widened first): q8 values `q` [out, in] int8 with an
+    fp32 `scale` per group of 2**group_shift (`linear_q8.c`); or q4 values packed [out, in / 2] uint8
+    in super-blocks of 2**group_shift, each with an fp32 `scale` (d) and `offset`, and per sub-block of
+    32 a 6-bit scale and minimum in `sub` (`linear_q4.c`)."""
     _check_cpu_tensors("the linear kernel", x.dtype, x, bias)
     features = x.shape[-1]
     int8 = q.dtype == torch.int8
-    per_row = features if int8 else features // 2
-    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % (activation_block(group_shift) if int8 else 16):
+    per_row, block = (features, activation_block(group_shift)) if int8 else (features // 2, 1 << group_shift)
+    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % block or (not int8 and block not in Q4_SIZES):
         raise ValueError(f"quantized weights of shape {tuple(q.shape)} do not take {features} features")
+    if not int8 and (sub is None or sub.shape != (out_features, features // 16) or not sub.is_contiguous()):
+        raise ValueError(f"4-bit weights need a 6-bit scale and minimum for every 32 of their {features} features")
     rows = x.numel() // features
-    dtype = torch.float32 if int8 else x.dtype
-    flat = x.reshape(rows, features).to(dtype).contiguous()
-    bias = None if bias is None else bias.to(dtype).contiguous()
-    out = torch.empty(rows, out_features, dtype=dtype, device="cpu")
-    library.linear_quantized(
-        flat.data_ptr(), q.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(), group_shift,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features, features, torch.get_num_threads(),
-    )  # fmt: skip
+    flat = x.reshape(rows, features).to(torch.float32).contiguous()
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    out = torch.empty(rows, out_features, dtype=torch.float32, device="cpu")
+    rest = (None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features, features, torch.get_num_threads())
+    if int8:
+        library.linear_quantized(flat.data_ptr(), q.data_ptr(), scale.data_ptr(), None, group_shift, *rest)
+    else:
+        library.linear_q4(flat.data_ptr(), q.data_ptr(), sub.data_ptr(), scale.data_ptr(), offset.data_ptr(), 1 << group_shift, *rest)
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "quantize.h"
+
 #define BLOCK 32     /* values per integer product step (one register of int8) */
 #define MAX_UNITS 4  /* steps per activation block (1, 2 or 4): blocks of at most 128 */
 #define W_ROWS 2     /* weight rows per tile: 2 x 3 accumulators, the weights' magnitudes and scales, */
@@ -90,30 +92,16 @@ static inline void store_step(__m256i v, int8_t *q, int16_t *q16) {
     _mm256_storeu_si256((__m256i *)(q16 + 16), b);
 }
 
-/* Row `x` (K values) into `q` (or `q16`) and `d`: per block of `units` steps, d = max|x| / 127 and
- * q = round(x * (127 / max|x|)), ties to even; an all-zero block gets d = 0 and q = 0. */
+/* Row `x` (K values) into `q` (or `q16`) and `d`, per block of `units` steps (`quantize.h`). */
 static void quantize_row(const float *x, int8_t *q, int16_t *q16, float *d, int64_t K, int64_t units) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const int64_t size = units * BLOCK;
     for (int64_t b = 0; b < K / size; b++) {
         const float *xb = x + b * size;
-        __m256 m = _mm256_setzero_ps();
-        for (int64_t i = 0; i < size; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
-        d[b] = amax / 127.0f;
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256 inv;
+        d[b] = block_scale(block_amax(xb, size), &inv);
         for (int64_t u = 0; u < units; u++) {
-            __m256i n[4];
-            for (int i = 0; i < 4; i++)
-                n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + u * BLOCK + 8 * i), inv),
-                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            /* Packing works within 128-bit halves: the permute puts the 32 values back in order. */
-            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
             const int64_t at = b * size + u * BLOCK;
-            store_step(_mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), q ? q + at : NULL, q16 ? q16 + at : NULL);
+            store_step(quantize_step(xb + u * BLOCK, inv), q ? q + at : NULL, q16 ? q16 + at : NULL);
         }
     }
 }

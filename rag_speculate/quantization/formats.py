@@ -1,23 +1,23 @@
 """Quantized formats the CPU kernels read (`cpu/linear_q8.c`, `cpu/linear.c`), and how weights get there.
 
-Two formats, each a scale (and for 4 bits an offset) per group of 2**group_shift values along a row:
+Two formats, both multiplied by int8 activations: each row of x is quantized on its own, per block
+(`quantize_activations`), so the products are integer dot products, scaled once a block:
 
-- q8: int8 values, w = scale * q, multiplied by int8 activations: each row of x is quantized on
-  its own per block of the weights' group, at least 32 and at most 128 values
-  (`quantize_activations`; 32 is how llama.cpp quantizes them for its Q8_0 products), so the
-  products are integer dot products, scaled once a block;
-- q4: 4-bit values in [0, 15], w = fma(q, scale, offset), packed two to a byte in the kernel's
-  order (per 16 values, 8 bytes: the low dword holds the values at even places, the high one those
-  at odd places, 4 bits each from the lowest), multiplied by activations in the model's dtype.
+- q8: int8 values with a scale per group of 2**group_shift values along a row, w = scale * q; the
+  activations in blocks of the group, at least 32 and at most 128 values (32 is how llama.cpp
+  quantizes them for its Q8_0 products);
+- q4: GGUF's Q4_K. A row in super-blocks of 2**group_shift values (256; 128 or 64 where the inputs
+  need it), each with an fp32 scale d and offset o, cut into sub-blocks of 32 with a 6-bit scale sc
+  and minimum m (`sub`: the super-block's scales, then its minimums): w = d sc q + o m, q in [0, 15],
+  two to a byte as Q4_K packs them (each 64 values in 32 bytes, the first 32 in the low nibbles);
+  the activations in blocks of the super-block, as llama.cpp's Q8_K.
 
 Either way a row's result depends on that row alone, so speculation over a quantized model gives
-exactly what `generate` of the same quantized model gives. For q4 a weight's fp32 value is computed
-once, exactly as written, and summed as an fp32 weight: the layer computes what an fp32 layer
-holding `dequantize(weight)` computes. Scales and offsets are fp32, so a GGUF file's blocks (a
-half-precision scale times a small integer) are held exactly (`quantization/gguf.py`).
+exactly what `generate` of the same quantized model gives. Scales are fp32, so a GGUF file's blocks
+(half-precision scales times small integers) are held exactly (`quantization/gguf.py`).
 
-    weight = quantize(linear.weight, "int4")   # QuantizedWeight, q4 in groups of 32
-    dequantize(weight)                         # the fp32 weights the kernels multiply by
+    weight = quantize(linear.weight, "int4")   # QuantizedWeight, q4 in super-blocks of 256
+    dequantize(weight)                         # the weights the kernels multiply by
     quantize(linear.weight, "int8").group      # 128 where the layer's inputs allow it
 """
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu.linear import activation_block
+from ..cpu.linear import Q4_SIZES, activation_block
 from ..errors import InvalidArgumentError
 
-# Values per group of our own 4-bit quantization: as fine as GGUF's Q4_K.
-GROUP = 32
+# Values per 4-bit sub-block, each with its own 6-bit scale and minimum (Q4_K's).
+SUB = 32
 # Values per group of our own int8 quantization, and so per activation block, the largest that
 # divides a layer's inputs. On AVX2 a block's scaling costs as much as its integer products, so
 # blocks of 128 compute faster than Q8_0's of 32 (docs/design.md: how much, and what it costs in
@@ -49,6 +49,7 @@ class QuantizedWeight:
     offset: torch.Tensor | None  # fp32 [out, groups] for q4, else None
     group_shift: int
     shape: tuple[int, int]
+    sub: torch.Tensor | None = None  # q4: uint8 [out, in / 16], per super-block its sub-blocks' scales, then minimums
 
     @property
     def group(self) -> int:
@@ -57,94 +58,112 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes a forward reads: values, scales and offsets."""
-        tensors = [self.values, self.scale] + ([self.offset] if self.offset is not None else [])
+        tensors = [t for t in (self.values, self.scale, self.offset, self.sub) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> QuantizedWeight:
     """`weight` [out, in] as "int8" (symmetric, a scale per `group` values: its largest magnitude
     over 127, as GGUF's Q8_0 for groups of 32; by default the largest of `INT8_GROUPS` that divides
-    the inputs) or "int4" (a scale and an offset per `group` values, by default 32: the group's
-    minimum and its range over 15 steps)."""
+    the inputs) or "int4" (Q4_K in super-blocks of `group` values, by default the largest of
+    `Q4_SIZES` that divides the inputs: each sub-block's minimum, at most 0, and range over 15 steps,
+    as 6-bit multiples of the super-block's half-precision d and dmin, rounded up; a value comes back
+    within half a step, or within dmin where the rounded minimum lifts it past 15 steps)."""
     if method not in ("int8", "int4"):
         raise InvalidArgumentError(f"unknown quantization {method!r}: 'int8' or 'int4'", "quantization")
     w = weight.detach().to(torch.float32, copy=True).cpu()
     out_features, in_features = w.shape
     group = group or default_group(in_features, method)
-    groups = w.reshape(out_features, in_features // group, group)
     shift = group.bit_length() - 1
     if method == "int8":
+        groups = w.reshape(out_features, in_features // group, group)
         scale = groups.abs().amax(dim=2, keepdim=True) / 127
         q = torch.round(groups / torch.where(scale > 0, scale, 1)).clamp(-127, 127).to(torch.int8)
         return QuantizedWeight("q8", q.reshape(out_features, in_features).contiguous(), scale[..., 0].contiguous(), None, shift,
                                (out_features, in_features))  # fmt: skip
-    low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
-    scale = (high - low) / 15
-    q = torch.round((groups - low) / torch.where(scale > 0, scale, 1)).clamp(0, 15).to(torch.uint8)
-    return QuantizedWeight(
-        "q4", pack_q4(q.reshape(out_features, in_features)), scale[..., 0].contiguous(), low[..., 0].contiguous(),
-        shift, (out_features, in_features),
-    )  # fmt: skip
+    subs = w.reshape(out_features, in_features // group, group // SUB, SUB)
+    low = subs.amin(dim=3).clamp(max=0)
+    step, lift = (subs.amax(dim=3) - low).clamp(min=0) / 15, -low
+    # Each super-block's d and dmin: its largest step and lift over 63, in half precision, as Q4_K
+    # holds them; each sub-block's scale and minimum rounded up, so its values stay within 16 steps.
+    d, dmin = (_half_up(t.amax(dim=2) / 63) for t in (step, lift))
+    sc = torch.ceil(step / torch.where(d > 0, d, 1)[..., None]).clamp(0, 63)
+    m = torch.ceil(lift / torch.where(dmin > 0, dmin, 1)[..., None]).clamp(0, 63)
+    scale, floor = sc * d[..., None], m * dmin[..., None]
+    q = torch.round((subs + floor[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15).to(torch.uint8)
+    sub = torch.cat([sc, m], dim=2).to(torch.uint8).reshape(out_features, in_features // 16)
+    return QuantizedWeight("q4", pack_q4(q.reshape(out_features, in_features)), d.contiguous(), (-dmin).contiguous(), shift,
+                           (out_features, in_features), sub.contiguous())  # fmt: skip
+
+
+def _half_up(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded up to a half-precision value: the largest step still fits 63 of them."""
+    half = x.to(torch.float16).to(torch.float32)
+    return torch.where(half < x, torch.nextafter(half.half(), torch.tensor(torch.inf, dtype=torch.float16)).float(), half)
 
 
 def default_group(in_features: int, method: str) -> int:
-    """The group `quantize` uses for a layer of `in_features` inputs."""
-    if method == "int8":
-        return next((g for g in INT8_GROUPS if in_features % g == 0), INT8_GROUPS[-1])
-    return GROUP
+    """The group (int8) or super-block (int4) `quantize` uses for a layer of `in_features` inputs."""
+    sizes = INT8_GROUPS if method == "int8" else Q4_SIZES
+    return next((g for g in sizes if in_features % g == 0), sizes[-1])
 
 
 def fits(in_features: int, method: str, group: int | None = None) -> str:
     """Why a layer of `in_features` inputs cannot take `method` ("" when it can): the kernels read
     whole groups, and int8 activations come in blocks of at least 32."""
     group = group or default_group(in_features, method)
-    block = activation_block(group.bit_length() - 1)
+    if method == "int4" and group not in Q4_SIZES:
+        return f"4-bit super-blocks are of {', '.join(map(str, Q4_SIZES))} values, not {group}"
+    block = activation_block(group.bit_length() - 1) if method == "int8" else group
     if method == "int8" and in_features % block:
         return f"{in_features} inputs is not a multiple of the activation block of {block}"
     if in_features % group:
-        return f"{in_features} inputs is not a multiple of the group of {group}"
+        return f"{in_features} inputs is not a multiple of the {'group' if method == 'int8' else 'super-block'} of {group}"
     return ""
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """The fp32 weights the kernel multiplies by, bit for bit."""
+    """The fp32 weights the kernels multiply by: for q4, each w = d sc q + o m rounded once from its
+    exact value, as llama.cpp dequantizes Q4_K."""
     out_features, in_features = weight.shape
     group = min(1 << weight.group_shift, in_features)
-    scale = weight.scale.repeat_interleave(group, dim=1)[:, :in_features]
     if weight.format == "q8":
+        scale = weight.scale.repeat_interleave(group, dim=1)[:, :in_features]
         return weight.values.to(torch.float32) * scale
-    offset = weight.offset.repeat_interleave(group, dim=1)[:, :in_features]
-    q = unpack_q4(weight.values, in_features)
-    # fma(q, scale, offset), rounded once: q * scale is exact in float64, and so is the sum for
-    # the offsets and scales of one group, which are of a size.
-    return (q.to(torch.float64) * scale.to(torch.float64) + offset.to(torch.float64)).to(torch.float32)
+    subs = group // SUB
+    sub = weight.sub.reshape(out_features, -1, 2, subs).to(torch.float64)
+    # Per sub-block: d sc and o m, then each of its 32 values; exact in float64, rounded once.
+    scale = (weight.scale.to(torch.float64)[..., None] * sub[:, :, 0]).reshape(out_features, -1).repeat_interleave(SUB, dim=1)
+    floor = (weight.offset.to(torch.float64)[..., None] * sub[:, :, 1]).reshape(out_features, -1).repeat_interleave(SUB, dim=1)
+    return (unpack_q4(weight.values, in_features).to(torch.float64) * scale + floor).to(torch.float32)
+
+
+def input_block(fmt: str, group_shift: int) -> int:
+    """Values per activation scale for a layer of format `fmt`: q8's `activation_block`, q4's super-block."""
+    return activation_block(group_shift) if fmt == "q8" else 1 << group_shift
 
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Activations `x` [..., in] as a q8 layer sees them, in fp32: each row per `block` values
-    (`activation_block`), d = max|x| / 127 and q = round(x * (127 / max|x|)) (ties to even), as
-    `linear_q8.c` quantizes them; here q * d (the kernel keeps q and d apart and sums q's integer
-    products)."""
+    """Activations `x` [..., in] as a quantized layer sees them, in fp32: each row per `block` values
+    (`input_block`), d = max|x| / 127 and q = round(x * (127 / max|x|)) (ties to even), as the
+    kernels quantize them (`cpu/quantize.h`); here q * d (the kernels keep q and d apart and sum q's
+    integer products)."""
     blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
+    # A tensor over a tensor: `127 / amax` is torch's 127 * (1 / amax), rounded twice, as C's 127.0f / amax is not.
+    q = torch.round(blocks * torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0))
     return (q * (amax / 127)).reshape(x.shape)
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """[rows, n] values in [0, 15] (n a multiple of 16) packed in the kernel's order, [rows, n / 2]."""
+    """[rows, n] values in [0, 15] (n a multiple of 64) packed as Q4_K packs them, [rows, n / 2]: each
+    64 values in 32 bytes, the first 32 in the low nibbles, the next 32 in the high ones."""
     rows, n = q.shape
-    pairs = q.to(torch.uint8).reshape(rows, n // 16, 8, 2)
-    # Bytes 0-3 of each 8: the values at even places, two per byte, the lower place in the low bits.
-    halves = [pairs[..., 0], pairs[..., 1]]
-    packed = [h.reshape(rows, n // 16, 4, 2) for h in halves]
-    packed = [p[..., 0] | (p[..., 1] << 4) for p in packed]
-    return torch.cat(packed, dim=-1).reshape(rows, n // 2).contiguous()
+    chunks = q.to(torch.uint8).reshape(rows, n // 64, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, n // 2).contiguous()
 
 
 def unpack_q4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """`pack_q4`'s inverse: [rows, n] values in [0, 15]."""
-    rows = packed.shape[0]
-    blocks = packed.reshape(rows, n // 16, 2, 4)
-    halves = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(rows, n // 16, 2, 8)
-    return torch.stack([halves[:, :, 0], halves[:, :, 1]], dim=-1).reshape(rows, n)
+    chunks = packed.reshape(packed.shape[0], n // 64, 1, 32)
+    return torch.cat([chunks & 15, chunks >> 4], dim=2).reshape(packed.shape[0], n)

@@ -1,13 +1,13 @@
 """A GGUF file's own quantized tensors in the kernel's formats, holding exactly the weights llama.cpp
 dequantizes them to.
 
-Q8_0 is int8 with a half-precision scale per 32 values; Q4_0 4 bits with a scale d per 32, w =
-d (q - 8); Q4_K 4 bits with, per 32, a 6-bit scale and minimum times the super-block's two halves,
-w = d sc q - dmin m; Q6_K 6 bits (stored here as q - 32 in int8) with an 8-bit scale per 16 times the
+Q4_K is the kernels' own 4-bit format (`formats.py`): its bytes as they are, its 6-bit scales and
+minimums unpacked to a byte each, its two halves d and dmin as fp32 (d and -dmin). The others become
+int8 (q8): Q8_0 is int8 with a half-precision scale per 32 values; Q4_0 4 bits with a scale d per
+32, w = d (q - 8), held as q - 8; Q6_K 6 bits, held as q - 32, with an 8-bit scale per 16 times the
 super-block's half, w = d sc (q - 32). Every product of a half and a small integer is exact in fp32,
-so each group's scale and offset are held exactly, and the kernel's one rounding of fma(q, scale,
-offset) is the one rounding ggml's dequantization makes. Other types have no kernel here: their
-tensors stay as the loaded model holds them.
+so every scale is held exactly, and `dequantize` gives the weights ggml's dequantization gives. Other
+types have no kernel here: their tensors stay as the loaded model holds them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K
 
-from .formats import QuantizedWeight, dequantize, pack_q4
+from .formats import QuantizedWeight, dequantize
 
-# The types with a kernel, and the values per group each becomes.
-GROUPS = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_0: 32, GGMLQuantizationType.Q4_K: 32, GGMLQuantizationType.Q6_K: 16}
+# The types with a kernel, and the values per group (Q4_K: per super-block) each becomes.
+GROUPS = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_0: 32, GGMLQuantizationType.Q4_K: 256, GGMLQuantizationType.Q6_K: 16}
 
 
 def read_quantized(reader: GGUFReader, names: set[str]) -> tuple[dict[str, QuantizedWeight], dict[str, str]]:
@@ -47,13 +47,13 @@ def _unpack(kind: GGMLQuantizationType, blocks: np.ndarray, rows: int, columns: 
         return _weight("q8", q, d, None, group, rows, columns)
     if kind == GGMLQuantizationType.Q4_0:
         d, qs = _half(blocks[:, :2]), blocks[:, 2:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=1)  # the low halves are the first 16 values
-        return _weight("q4", q, d, -8 * d, group, rows, columns)
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int8) - np.int8(8)  # the low halves are the first 16 values
+        return _weight("q8", q, d, None, group, rows, columns)
     if kind == GGMLQuantizationType.Q4_K:
         d, dmin = _half(blocks[:, :2]), _half(blocks[:, 2:4])
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        return _weight("q4", (qs & 15).reshape(-1, 256), d * sc, -(dmin * m), group, rows, columns)
+        sub = np.concatenate([sc.reshape(-1, 8), m.reshape(-1, 8)], axis=1).astype(np.uint8)
+        return _weight("q4", blocks[:, 16:], d, -dmin, group, rows, columns, sub)
     # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, a half.
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales, d = blocks[:, 192:208].view(np.int8).astype(np.float32), _half(blocks[:, 208:210])
@@ -68,17 +68,19 @@ def _half(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
 
 
-def _weight(fmt: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, group: int, rows: int, columns: int) -> QuantizedWeight:
-    values = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, columns))
-    if fmt == "q4":
-        values = pack_q4(values)
+def _weight(
+    fmt: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, group: int, rows: int, columns: int,
+    sub: np.ndarray | None = None,
+) -> QuantizedWeight:  # fmt: skip
+    """q: the values (q8: [rows, columns] int8), or Q4_K's packed bytes as they are ([rows, columns / 2])."""
+    values = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
 
     def per_group(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(rows, columns // group))
 
     return QuantizedWeight(
         fmt, values.contiguous(), per_group(scale), None if offset is None else per_group(offset),
-        group.bit_length() - 1, (rows, columns),
+        group.bit_length() - 1, (rows, columns), None if sub is None else torch.from_numpy(np.ascontiguousarray(sub).reshape(rows, -1)),
     )  # fmt: skip
 
 
@@ -128,6 +130,6 @@ def _agrees(weight: QuantizedWeight, loaded: torch.Tensor, rows: int = 8) -> boo
     picked = torch.linspace(0, weight.shape[0] - 1, rows).long().unique()
     sample = QuantizedWeight(
         weight.format, weight.values[picked], weight.scale[picked], None if weight.offset is None else weight.offset[picked],
-        weight.group_shift, (len(picked), weight.shape[1]),
+        weight.group_shift, (len(picked), weight.shape[1]), None if weight.sub is None else weight.sub[picked],
     )  # fmt: skip
     return torch.equal(dequantize(sample).to(loaded.dtype), loaded.detach()[picked].cpu())

@@ -1,7 +1,7 @@
 """A model's linear layers with quantized weights: `quantize_model` replaces them in place.
 
 `QuantizedLinear` computes every row as if it were alone (the CPU kernels' invariant,
-`cpu/kernels.py`; q8 quantizes each row's activations on its own), so speculation over a quantized
+`cpu/kernels.py`; each row's activations are quantized on their own), so speculation over a quantized
 model gives exactly what `generate` of that same quantized model gives. Off the CPU, or where the
 kernel cannot be built, torch computes the same product from the dequantized values (correct, not fast).
 """
@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..cpu.linear import activation_block, linear_library, run_quantized
+from ..cpu.linear import linear_library, run_quantized
 from ..cpu.modules import carry_kernels
 from ..errors import InvalidArgumentError
 from ..fingerprint import changed_weights
-from .formats import GROUP, INT8_GROUPS, QuantizedWeight, dequantize, fits, quantize, quantize_activations
+from .formats import INT8_GROUPS, QuantizedWeight, dequantize, fits, input_block, quantize, quantize_activations
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,13 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("values", weight.values)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("offset", weight.offset)
+        self.register_buffer("sub", weight.sub)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
     def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.format, self.values, self.scale, self.offset, self.group_shift, (self.out_features, self.in_features))
+        shape = (self.out_features, self.in_features)
+        return QuantizedWeight(self.format, self.values, self.scale, self.offset, self.group_shift, shape, self.sub)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = _library(x, self.format)
@@ -53,10 +55,12 @@ class QuantizedLinear(torch.nn.Module):
             # makes ~200 of these calls, each of a dozen tensor operations.
             with torch._C.DisableTorchFunction():
                 bias = None if self.bias is None else self.bias.to(x.dtype)
-                return run_quantized(library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias)
+                return run_quantized(
+                    library, x, self.values, self.scale, self.offset, self.group_shift, self.out_features, bias, self.sub
+                )  # fmt: skip
         weight = dequantize(self.weight).to(x.device)
         bias = None if self.bias is None else self.bias.to(x.device, torch.float32)
-        inputs = quantize_activations(x, activation_block(self.group_shift)) if self.format == "q8" else x.to(torch.float32)
+        inputs = quantize_activations(x, input_block(self.format, self.group_shift))
         return F.linear(inputs, weight, bias).to(x.dtype)
 
     @classmethod
@@ -71,11 +75,12 @@ class QuantizedLinear(torch.nn.Module):
             raise ValueError("only layers of one format, group and input size fuse")
         if any((m.bias is None) != (first.bias is None) for m in layers):
             raise ValueError("layers with and without a bias do not fuse")
-        names = [name for name in ("values", "scale", "offset") if getattr(first, name) is not None]
+        names = [name for name in ("values", "scale", "offset", "sub") if getattr(first, name) is not None]
         tensors = {name: _fused_already(layers, name) for name in names}
         tensors = {name: torch.cat([getattr(m, name) for m in layers]) if t is None else t for name, t in tensors.items()}
         out_features = sum(m.out_features for m in layers)
-        weight = QuantizedWeight(first.format, tensors["values"], tensors["scale"], tensors.get("offset"), first.group_shift, (out_features, first.in_features))
+        weight = QuantizedWeight(first.format, tensors["values"], tensors["scale"], tensors.get("offset"), first.group_shift,
+                                 (out_features, first.in_features), tensors.get("sub"))  # fmt: skip
         fused = cls(weight, None if first.bias is None else torch.cat([m.bias for m in layers]))
         start = 0
         for m in layers:
@@ -161,7 +166,7 @@ def quantize_model(
             weight = quantize(module.weight, method, group)
         _replace(model, name, QuantizedLinear(weight, module.bias))
     # The disk tier files KV entries under the weights' fingerprint: these are other weights now.
-    changed_weights(model, f"quantize_model {method} group {group or (INT8_GROUPS if method == 'int8' else GROUP)}")
+    changed_weights(model, f"quantize_model {method} group {group or (INT8_GROUPS if method == 'int8' else 'Q4_K super-blocks')}")
     if next(model.parameters()).device.type == "cpu":
         # Its own generate then answers as the engine does, outside any mode: a model we change, we change whole.
         carry_kernels(model)

@@ -51,17 +51,20 @@ def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
         ("int8", (37, 4224), 128),
         ("int8", (37, 4160), 32),
         ("int8", (37, 4160), 16),
+        # 4-bit: a decoding step's tiles and a prefill's chunks of k; super-blocks of 256 and 64.
         ("int4", (1536, 256), None),
+        ("int4", (37, 4608), 256),
+        ("int4", (37, 4160), 64),
     ],
 )
 def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, shape, group, dtype, isa):
-    from rag_speculate.cpu.linear import _Q8_SOURCE, _SOURCE, build_linear_q8, run_quantized
+    from rag_speculate.cpu.linear import _Q4_SOURCE, _Q8_SOURCE, build_linear_q4, build_linear_q8, run_quantized
     from rag_speculate.quantization.formats import quantize
 
     if method == "int8":
         library = _built(lambda d, i: build_linear_q8(_Q8_SOURCE, i), dtype, isa)
     else:
-        library = _built(lambda d, i: build_linear(_SOURCE, d, i, "q4"), dtype, isa)
+        library = _built(lambda d, i: build_linear_q4(_Q4_SOURCE, i), dtype, isa)
     generator = torch.Generator().manual_seed(0)
     weight = quantize(torch.randn(*shape, generator=generator), method, group)
     if method == "int8":
@@ -69,7 +72,8 @@ def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, shape, 
     bias = torch.randn(shape[0], generator=generator).to(dtype)
     x = torch.randn(max(BESIDE) + 1, shape[1], generator=generator).to(dtype)
     _same_among_others(
-        lambda rows: run_quantized(library, rows, weight.values, weight.scale, weight.offset, weight.group_shift, shape[0], bias), x
+        lambda rows: run_quantized(library, rows, weight.values, weight.scale, weight.offset, weight.group_shift, shape[0], bias, weight.sub),
+        x,
     )
 
 
