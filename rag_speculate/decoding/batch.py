@@ -16,6 +16,10 @@ only, gathered in place, as `kv_cache.keep_cache_entries` does for one sequence.
 
 The rows' arithmetic stays their own only through kernels that compute each row as if alone (the
 CPU kernels do; torch's do not: docs/design.md, "Losslessness").
+
+Built with `rows` and `capacity`, the cache is allocated once and never grows (a CUDA graph holds
+its addresses): one row more than asked for, the spare, takes the writes of a fixed-shape step's
+padding (`static.py`), and nothing reads it but that padding.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from ..errors import RagSpeculateError
 from .forward import ModelForward, shared_kv_heads
 from .kv_cache import kv_shape
 from .tree import additive_mask, fed_depths, fed_visibility
@@ -44,19 +49,31 @@ class Fed:
 
 
 class BatchCache:
-    """The keys and values of several sequences, a row each, grown as they need; what a model's
-    forward calls `update` on. Rows are added and removed between forwards."""
+    """The keys and values of several sequences, a row each, grown as they need (or, given `rows` and
+    `capacity`, allocated once); what a model's forward calls `update` on. Rows are added and removed
+    between forwards."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, rows: int | None = None, capacity: int | None = None):
         self.layers, self.kv_heads, self.head_dim = kv_shape(model)
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
-        self.keys: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []  # by layer, `[rows, kv_heads, capacity, head_dim]`
         self.values: list[torch.Tensor] = []
+        # What `move` moves entries within, `[layers, rows, kv_heads, capacity, head_dim]`: where the
+        # cache is allocated once, one tensor for every layer's keys and one for values (one operation
+        # moves all layers' entries); where it grows, one per layer and kind (growing a layer at a
+        # time never holds two whole copies).
+        self.stores: list[torch.Tensor] = []
         self.lengths: list[int] = []  # entries held, by row
         self._free: list[int] = []
-        # Set by BatchForward for the forward under way: the rows fed, in order, and where each writes.
-        self._rows: torch.Tensor | None = None
+        self.fixed_rows = rows  # rows sequences may take, where the cache is allocated once
+        if rows is not None:
+            shape = (self.layers, rows + 1, self.kv_heads, capacity, self.head_dim)  # the last row is the spare
+            self.stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+            self.keys, self.values = (list(store.unbind(0)) for store in self.stores)
+        # Set by `begin` or `fix` for the forward under way: the rows it reads, where it writes.
+        self._read_rows: torch.Tensor | None = None
+        self._write_rows: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._span: tuple[int, int] | None = None  # the rows fed, when they are a contiguous run
         self._block: tuple[int, int, int, int] | None = None  # that run, its one start and the tokens fed
@@ -70,6 +87,8 @@ class BatchCache:
             row = self._free.pop()
         else:
             row = len(self.lengths)
+            if self.fixed_rows is not None and row >= self.fixed_rows:
+                raise RagSpeculateError(f"the preallocated cache has {self.fixed_rows} rows, all taken")
             self.lengths.append(0)
         self.lengths[row] = 0
         return row
@@ -83,19 +102,30 @@ class BatchCache:
     def rows(self) -> int:
         return len(self.lengths) - len(self._free)
 
+    @property
+    def capacity(self) -> int:
+        """Entries each row has room for now."""
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def spare_row(self) -> int:
+        """The preallocated cache's row that only padding writes and reads."""
+        return self.fixed_rows
+
     def held_tokens(self) -> int:
         return sum(self.lengths)
 
     def reserve(self, needed: int) -> None:
         """Room in every row for `needed` entries, and for every row there is."""
-        capacity = self.keys[0].shape[2] if self.keys else 0
+        if self.fixed_rows is not None:
+            if needed > self.capacity:
+                raise RagSpeculateError(f"a row of the preallocated KV cache holds {self.capacity} entries, not {needed}")
+            return
         rows_now = self.keys[0].shape[0] if self.keys else 0
-        if needed <= capacity and len(self.lengths) <= rows_now:
+        if needed <= self.capacity and len(self.lengths) <= rows_now:
             return
         # Grown by doubling, so a sequence that grows a token at a time copies its cache rarely.
-        capacity = max(needed, 2 * capacity, 64)
-        rows = max(len(self.lengths), rows_now)
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        shape = (max(len(self.lengths), rows_now), self.kv_heads, max(needed, 2 * self.capacity, 64), self.head_dim)
         for store in (self.keys, self.values):
             for i in range(self.layers):
                 grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -105,6 +135,7 @@ class BatchCache:
                     store[i] = grown
                 else:
                     store.append(grown)
+        self.stores = [layer[None] for layer in (*self.keys, *self.values)]
 
     # --- the forward's side ------------------------------------------------------------------
 
@@ -112,7 +143,8 @@ class BatchCache:
         """The next forward feeds `fed` tokens (padding included) to each of `rows`, in that order."""
         self.reserve(max(self.lengths[r] for r in rows) + fed)
         device = self.device
-        self._rows = torch.tensor(rows, device=device)
+        self._read_rows = torch.tensor(rows, device=device)
+        self._write_rows = self._read_rows[:, None]
         starts = torch.tensor([self.lengths[r] for r in rows], device=device)
         self._positions = starts[:, None] + torch.arange(fed, device=device)[None]
         self._span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
@@ -122,22 +154,29 @@ class BatchCache:
         self._block = (*self._span, writes_at.pop(), fed) if self._span is not None and len(writes_at) == 1 else None
         self._seen = max(self.lengths[r] for r in rows) + fed
 
+    def fix(self, read_rows: torch.Tensor, write_rows: torch.Tensor, write_at: torch.Tensor) -> None:
+        """The next forward is a fixed-shape step (a preallocated cache's): it reads the whole capacity
+        of rows `read_rows` `[batch]` and writes its token `[b, j]` at row `write_rows[b, j]`, entry
+        `write_at[b, j]`; the same tensors, whatever the step, so a CUDA graph may replay it."""
+        self._read_rows, self._write_rows, self._positions = read_rows, write_rows, write_at
+        self._span = self._block = None
+        self._seen = self.capacity
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """Write the fed tokens' keys and values `[rows fed, kv_heads, fed, head_dim]` after each
-        row's entries; the rows' keys and values up to the longest, for the attention to read."""
+        """Write the fed tokens' keys and values `[rows fed, kv_heads, fed, head_dim]` where `begin` or
+        `fix` said; the rows' keys and values up to the longest, for the attention to read."""
         if self._block is not None:
             first, end, start, fed = self._block
             self.keys[layer_idx][first:end, :, start : start + fed] = key_states
             self.values[layer_idx][first:end, :, start : start + fed] = value_states
         else:
-            rows, positions = self._rows[:, None], self._positions
             for store, new in ((self.keys, key_states), (self.values, value_states)):
-                store[layer_idx][rows, :, positions] = new.transpose(1, 2).to(self.dtype)
+                store[layer_idx][self._write_rows, :, self._positions] = new.transpose(1, 2).to(self.dtype)
         if self._span is not None:
             first, end = self._span
             return self.keys[layer_idx][first:end, :, : self._seen], self.values[layer_idx][first:end, :, : self._seen]
-        return (self.keys[layer_idx].index_select(0, self._rows)[:, :, : self._seen],
-                self.values[layer_idx].index_select(0, self._rows)[:, :, : self._seen])  # fmt: skip
+        return (self.keys[layer_idx].index_select(0, self._read_rows)[:, :, : self._seen],
+                self.values[layer_idx].index_select(0, self._read_rows)[:, :, : self._seen])  # fmt: skip
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
@@ -149,20 +188,32 @@ class BatchCache:
     def keep(self, kept: dict[int, list[int]]) -> None:
         """After a forward: of the entries each row was fed, keep those at the given offsets
         (ascending), in that order, right after the row's earlier entries."""
-        rows = [r for r in kept if kept[r]]
-        if not rows:
+        kept = {r: offsets for r, offsets in kept.items() if offsets}
+        if not kept:
             return
-        width = max(len(kept[r]) for r in rows)
-        # Rows keeping fewer repeat their last entry: writing the same entry twice changes nothing.
-        source = np.array([[self.lengths[r] + kept[r][min(j, len(kept[r]) - 1)] for j in range(width)] for r in rows])
-        target = np.array([[self.lengths[r] + min(j, len(kept[r]) - 1) for j in range(width)] for r in rows])
-        index = torch.tensor(rows, device=self.device)[:, None]
-        source_t, target_t = torch.from_numpy(source).to(self.device), torch.from_numpy(target).to(self.device)
-        for store in (self.keys, self.values):
-            for layer in store:
-                layer[index, :, target_t] = layer[index, :, source_t]
-        for r in rows:
-            self.lengths[r] += len(kept[r])
+        moves = np.empty((3, len(kept), max(len(offsets) for offsets in kept.values())), dtype=np.int64)
+        self.keep_moves(kept, moves)
+        self.move(*torch.from_numpy(moves).to(self.device))
+        self.advance_kept(kept)
+
+    def keep_moves(self, kept: dict[int, list[int]], moves: np.ndarray) -> None:
+        """Where `keep` moves entries, into `moves` `[3, rows, width]` (each entry's row, the place it
+        is read from, the place it is written to), row by row in `kept`'s order; the rest of `moves`
+        is left as it is."""
+        for b, (row, offsets) in enumerate(kept.items()):
+            # Rows keeping fewer repeat their last entry: writing the same entry twice changes nothing.
+            last = np.minimum(np.arange(moves.shape[2]), len(offsets) - 1)
+            moves[0, b], moves[1, b], moves[2, b] = row, self.lengths[row] + np.asarray(offsets)[last], self.lengths[row] + last
+
+    def move(self, rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Every layer's entry at (`rows`, `source`) copied to (`rows`, `target`), all read before any is written."""
+        for store in self.stores:
+            store[:, rows, :, target] = store[:, rows, :, source]
+
+    def advance_kept(self, kept: dict[int, list[int]]) -> None:
+        """After `move`: each row holds its kept entries."""
+        for row, offsets in kept.items():
+            self.lengths[row] += len(offsets)
 
     # --- a row as a cache of its own (the prompt cache copies entries in and out) -------------
 

@@ -183,6 +183,19 @@ def additive_mask(visible: np.ndarray, past: int, dtype: torch.dtype, device: to
     return mask
 
 
+def capacity_mask(lengths: torch.Tensor, visible: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """`additive_mask` for rows of a preallocated cache, built on the device from small inputs so that a
+    CUDA graph can replay it: `[rows, 1, q, capacity]`, row b's queries seeing its first `lengths[b]`
+    entries and, of the q after them, those `visible[b]` `[q, q]` marks; any column past `capacity`
+    is dropped."""
+    rows, q = visible.shape[:2]
+    # Each column's place among the row's fed tokens (negative: a cached entry).
+    offset = torch.arange(capacity, device=lengths.device)[None] - lengths[:, None]
+    fed = visible.gather(2, offset.clamp(0, q - 1)[:, None].expand(rows, q, capacity)) & ((offset >= 0) & (offset < q))[:, None]
+    mask = torch.full((rows, q, capacity), torch.finfo(dtype).min, dtype=dtype, device=lengths.device)
+    return mask.masked_fill_(fed | (offset < 0)[:, None], 0)[:, None]
+
+
 def tree_attention_mask(tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive 4D mask (1, 1, q, past + q): every query sees the whole cache, itself and its ancestors."""
     return additive_mask(fed_visibility(tree.fed_parents(), len(tree) + 1), past_length, dtype, device)[None, None]
