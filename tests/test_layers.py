@@ -10,13 +10,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rag_speculate"
 # Bottom up: the ground (errors, files, fingerprints, devices), the parts of speculative decoding, the
-# drafters, models by name beside the optional CPU kernels, the engine, retrieval, the entrances, and
-# the package's public names. docs/design.md draws the same floors.
+# drafters, the optional CPU kernels and CUDA graphs, quantized layers, models by name, the engine,
+# retrieval, the entrances, and the package's public names. docs/design.md draws the same floors.
 FLOORS = {
     "errors": 0, "files": 0, "fingerprint": 0, "devices": 1,
     "decoding": 2,
     "drafters": 3,
-    "cpu": 4,
+    "cpu": 4, "cuda": 4,
     "quantization": 5,
     "models": 6,
     "engine": 7,
