@@ -12,12 +12,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cuda.graphs import CudaGraphs
 from ..decoding.budget import CostModel
 from ..decoding.output import eos_token_ids
 from ..decoding.prompt_cache import PromptCache, kv_bytes_per_token
@@ -28,7 +30,7 @@ from ..drafters.base import ForwardContext, Target
 from ..errors import InvalidArgumentError, RagSpeculateError, check_int
 from .costs import cost_curve
 from .inputs import Document, Inputs, Prompt
-from .runner import make_runner
+from .runner import StaticLayout, make_runner
 from .scheduler import Scheduler
 from .thread import EngineThread
 from .traits import ModelTraits, kernel_context
@@ -45,6 +47,16 @@ DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 128
 # KV entries the running sequences may hold together, by default: each row room for this many tokens.
 _DEFAULT_ROW_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """`static_step`: verification in fixed shapes on a preallocated cache; `cuda_graphs`: the graphs
+    captured of its shapes, holding `cuda_graph_bytes` of GPU memory."""
+
+    static_step: bool
+    cuda_graphs: int
+    cuda_graph_bytes: int
 
 
 class SpeculativeEngine:
@@ -64,6 +76,12 @@ class SpeculativeEngine:
     together at most (1: one at a time); `kv_cache_bytes`: memory for the running generations'
     KV entries (a request that does not fit waits; None: room for `max_batch` sequences of 8,192
     tokens); `prefill_chunk`: prompt tokens a joining generation feeds per step while others decode.
+    `cuda_graphs`: each shape of the verification step captured in a CUDA graph and replayed
+    (`rag_speculate/cuda/graphs.py`); None: on where the model is on a CUDA GPU and its forward takes
+    a batch's rows. They replay the fixed-shape step (`static_step`, `decoding/static.py`): the KV
+    cache allocated once, `kv_cache_bytes` shared evenly among `max_batch` rows (a request that
+    cannot fit a row is refused), every step padded to a few shapes; None: on where the graphs are,
+    True runs it eagerly anywhere (on a CPU the growing cache is the faster one).
     A bad option raises InvalidArgumentError naming it, before the model is probed.
     """
 
@@ -72,12 +90,13 @@ class SpeculativeEngine:
         *, draft_budget: int | None = None, name: str | None = None, fast_kernels: bool | None = None,
         prompt_cache_bytes: int | None = None, prompt_cache_dir: str | os.PathLike | None = None,
         prompt_cache_disk_bytes: int | None = None, max_batch: int | None = None, kv_cache_bytes: int | None = None,
-        prefill_chunk: int | None = None,
+        prefill_chunk: int | None = None, cuda_graphs: bool | None = None, static_step: bool | None = None,
     ):  # fmt: skip
         self.draft_budget = _at_least(draft_budget, "draft_budget", 0, DEFAULT_DRAFT_BUDGET)
         max_batch = _at_least(max_batch, "max_batch", 1, DEFAULT_MAX_BATCH)
         prefill_chunk = _at_least(prefill_chunk, "prefill_chunk", 1, DEFAULT_PREFILL_CHUNK)
         _at_least(kv_cache_bytes, "kv_cache_bytes", 1, None)
+        _check_static(model, cuda_graphs, static_step)
         self.drafter = _one_drafter(drafter)
         self.model, self.tokenizer = model.eval(), tokenizer
         # How users and tracing know this model: the name it was loaded by, else its config's.
@@ -90,13 +109,16 @@ class SpeculativeEngine:
                                                   kernels=bool(traits.kernels), off=traits.prefixes.why_not)  # fmt: skip
         self.prompt_cache.warm_with(self._warm)
         self.max_batch = _batch_size(model, traits, max_batch)
-        self._runner = make_runner(model, traits, self.prompt_cache)
+        kv_tokens = _kv_tokens(model, traits, self.max_batch, kv_cache_bytes)
+        # Fixed shapes on a preallocated cache where CUDA graphs replay them: a GPU's step costs its launches.
+        layout, self._graphs = _static_step(traits, cuda_graphs, static_step, kv_tokens, self.max_batch, self.draft_budget)
+        self._runner = make_runner(model, traits, self.prompt_cache, layout, self._graphs)
         # Forward cost by tokens fed, timed on first use (`_costs`: building stays cheap); assign one to pin it.
         self.cost_model: CostModel | None = None
         self._scheduler = Scheduler(
             self._runner, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, vocab_size=traits.vocab_size,
             drafter=self.drafter, draft_budget=self.draft_budget, costs=self._costs, max_batch=self.max_batch,
-            kv_tokens=_kv_tokens(model, traits, self.max_batch, kv_cache_bytes), prefill_chunk=prefill_chunk, device=traits.device,
+            kv_tokens=kv_tokens, prefill_chunk=prefill_chunk, device=traits.device,
         )  # fmt: skip
         self._thread = EngineThread(f"rag-speculate-{self.name}", self._scheduler.step, self._scheduler.fail_all)
 
@@ -114,7 +136,8 @@ class SpeculativeEngine:
     ) -> SpeculativeEngine:
         """From a packaged model name, a `.gguf` file, a local folder or a Hugging Face model id;
         `options` as the constructor takes them (`draft_budget`, `fast_kernels`, `prompt_cache_bytes`,
-        `prompt_cache_dir`, `prompt_cache_disk_bytes`, `max_batch`, `kv_cache_bytes`, `prefill_chunk`).
+        `prompt_cache_dir`, `prompt_cache_disk_bytes`, `max_batch`, `kv_cache_bytes`, `prefill_chunk`,
+        `cuda_graphs`, `static_step`).
 
         `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
         on CPUs that compute in it, else fp32 (`devices.default_dtype`). `quantization`: "int8" (int8
@@ -156,6 +179,12 @@ class SpeculativeEngine:
         self._scheduler.submit(request, channel)
         self._thread.wake()
         return GenerationStream(channel)
+
+    def stats(self) -> EngineStats:
+        """What the engine holds now, beside its prompt cache's `prompt_cache.stats()`."""
+        graphs = self._graphs
+        return EngineStats(static_step=self._runner.row_room() is not None, cuda_graphs=graphs.captured if graphs else 0,
+                           cuda_graph_bytes=graphs.bytes if graphs else 0)  # fmt: skip
 
     @property
     def in_flight(self) -> int:
@@ -233,6 +262,33 @@ def _kv_tokens(model: PreTrainedModel, traits: ModelTraits, max_batch: int, kv_c
     if kv_cache_bytes // kv_bytes_per_token(model) < 2:
         raise InvalidArgumentError(f"kv_cache_bytes={kv_cache_bytes} has no room for a request's KV entries", "kv_cache_bytes")
     return kv_cache_bytes // kv_bytes_per_token(model)
+
+
+def _check_static(model: PreTrainedModel, cuda_graphs: bool | None, static_step: bool | None) -> None:
+    """`cuda_graphs` and `static_step` each True, False or None, and graphs asked for only on a CUDA GPU."""
+    for name, value in (("cuda_graphs", cuda_graphs), ("static_step", static_step)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be True, False or None, got {value!r}", name)
+    device = next(model.parameters()).device
+    if cuda_graphs and device.type != "cuda":
+        raise InvalidArgumentError(f"cuda_graphs=True, but the model is on {device}: CUDA graphs run on a CUDA GPU only", "cuda_graphs")
+    if cuda_graphs and static_step is False:
+        raise InvalidArgumentError("cuda_graphs=True replays the fixed-shape step: it cannot run with static_step=False", "cuda_graphs")
+
+
+def _static_step(
+    traits: ModelTraits, cuda_graphs: bool | None, static_step: bool | None, kv_tokens: int, max_batch: int, draft_budget: int
+) -> tuple[StaticLayout | None, CudaGraphs | None]:
+    """The preallocated cache's layout where the step runs in fixed shapes (`kv_tokens` shared among
+    `max_batch` rows, steps of up to `draft_budget` + 1 tokens a row), and the graphs that replay it,
+    as the options ask (None: both where the model is on a CUDA GPU and its forward takes a batch's rows)."""
+    for name, value in (("cuda_graphs", cuda_graphs), ("static_step", static_step)):
+        if value and not traits.rows:
+            raise InvalidArgumentError(f"{name}=True, but the model's forward cannot take a batch's rows: {traits.rows.why_not}", name)
+    graphs = traits.device.type == "cuda" and bool(traits.rows) and static_step is not False if cuda_graphs is None else cuda_graphs
+    static = graphs if static_step is None else static_step
+    layout = StaticLayout.for_budget(kv_tokens, max_batch, draft_budget + 1) if static else None
+    return layout, CudaGraphs(traits.device) if graphs else None
 
 
 def _draft_context(fast_kernels: bool | None) -> Callable[[torch.nn.Module], ForwardContext]:

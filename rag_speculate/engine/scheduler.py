@@ -41,7 +41,7 @@ from ..decoding.sampling import sample_token
 from ..decoding.tree import DraftTree
 from ..decoding.verify import Verification, accept, greedy_choices
 from ..drafters import DraftContext, Drafter
-from ..errors import RagSpeculateError
+from ..errors import InvalidArgumentError, RagSpeculateError
 from .runner import BatchRunner, SequentialRunner
 
 
@@ -102,10 +102,17 @@ class Scheduler:
     def submit(self, request: Request, channel: Channel) -> None:
         reserved = len(request.prompt_ids) + request.max_new_tokens + self.draft_budget + 1
         if self.kv_tokens is not None and reserved > self.kv_tokens:
-            raise RagSpeculateError(
+            raise InvalidArgumentError(
                 f"the request needs room for {reserved} tokens of KV entries, more than the engine's "
-                f"kv_cache_bytes allow ({self.kv_tokens} tokens): raise kv_cache_bytes or lower max_new_tokens"
-            )
+                f"kv_cache_bytes allow ({self.kv_tokens} tokens): raise kv_cache_bytes or lower max_new_tokens", "max_new_tokens"
+            )  # fmt: skip
+        room = self.runner.row_room()
+        if room is not None and reserved > room:
+            raise InvalidArgumentError(
+                f"the request needs room for {reserved} tokens of KV entries, more than a row of the engine's "
+                f"preallocated cache holds ({room} tokens: kv_cache_bytes shared among max_batch rows): "
+                "raise kv_cache_bytes, lower max_batch or lower max_new_tokens", "max_new_tokens"
+            )  # fmt: skip
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         output = OutputTracker(self.tokenizer, self.eos_token_ids, request.stop, request.max_new_tokens)
         with self._lock:
@@ -155,8 +162,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch:
             sequence = self.waiting[0]
             longest = max((s.reserved for s in self.running), default=0)
-            # The rows take room for the longest sequence each (BatchCache's layout).
-            if self.kv_tokens is not None and self.running and (len(self.running) + 1) * max(longest, sequence.reserved) > self.kv_tokens:
+            # The rows take room for the longest sequence each (BatchCache's layout), unless they were allocated once.
+            growing = self.kv_tokens is not None and self.runner.row_room() is None
+            if growing and self.running and (len(self.running) + 1) * max(longest, sequence.reserved) > self.kv_tokens:
                 return
             self.waiting.popleft()
             self._start(sequence, max(longest, sequence.reserved))
