@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_cache_options(ask)
     _add_model_options(ask)
     _add_quantization_options(ask)
+    _add_graph_options(ask)
 
     demo = commands.add_parser("demo", help="index the shipped NQ corpus, then answer accelerated and plain")
     demo.add_argument("--question", help="your own question (default: one of the corpus's questions)")
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_drafting_options(demo)
     _add_model_options(demo)
     _add_quantization_options(demo)
+    _add_graph_options(demo)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--index", type=Path, default=None, help="an index folder: requests may ask to retrieve from it, and the REST drafter drafts from its corpus")
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_cache_options(serve)
     _add_model_options(serve)
     _add_quantization_options(serve)
+    _add_graph_options(serve)
 
     args = parser.parse_args(argv)
     if args.threads:
@@ -124,6 +127,12 @@ def _add_quantization_options(parser: argparse.ArgumentParser) -> None:
                              "on the CPU, answers exactly the quantized model's own (default: none)")
     parser.add_argument("--draft-quantization", choices=METHODS, default=None,
                         help="the same for --draft-model (default: int8 computing in int8 on a CPU)")
+
+
+def _add_graph_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay each shape of the verification step in a CUDA graph "
+                             "(default: on where the model is on a CUDA GPU)")
 
 
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -245,6 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, index=args.index, embedding_model=args.embedding_model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         quantization=args.quantization, draft_quantization=args.draft_quantization,
         served_name=args.served_model_name, max_queued=args.max_queued, max_batch=args.max_batch, draft_budget=args.draft_budget,
+        cuda_graphs=args.cuda_graphs,
         api_key=args.api_key or None,
         send_timeout_s=args.send_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
@@ -272,7 +282,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace, index: CorpusIndex, **options: Any) -> SpeculativeEngine:
     """The one engine `ask` and `demo` answer with, drafting from the index and the options given."""
     return shared_engine(args.model, device=args.device, quantization=args.quantization, index=index, draft_model=args.draft_model,
-                         draft_quantization=args.draft_quantization, draft_budget=args.draft_budget, progress=_progress, **options)  # fmt: skip
+                         draft_quantization=args.draft_quantization, draft_budget=args.draft_budget, cuda_graphs=args.cuda_graphs,
+                         progress=_progress, **options)  # fmt: skip
 
 
 def _answer(engine: SpeculativeEngine, index: CorpusIndex, question: str, k: int, max_new_tokens: int) -> tuple[GenerationResult, Prepared]:

@@ -75,6 +75,7 @@ def test_an_index_built_with_a_folder_embedder_is_asked_with_that_folder(corpus,
         (["ask", "{index}", "q", "-k", "0"], "k must be an integer >= 1"),
         (["ask", "{missing}", "q"], "no corpus index at"),
         (["index", "{missing}", "--out", "{missing}x"], "does not exist"),
+        (["ask", "{index}", "q", "--device", "cpu", "--cuda-graphs"], "cuda_graphs=True, but the model is on cpu"),
     ],
 )
 def test_bad_input_is_named_and_fails_the_command(index, tmp_path, capsys, argv, message):

@@ -47,6 +47,13 @@ def test_the_server_holds_one_engine_with_the_options_given(built, tmp_path):
     assert again is engine and len(built) == 1
 
 
+def test_the_server_config_passes_cuda_graphs_to_its_engine(built):
+    with pytest.raises(InvalidArgumentError, match="cuda_graphs=True, but the model is on cpu"):
+        load(ServerConfig(model=MODEL, device="cpu", cuda_graphs=True))
+    engine, _ = load(ServerConfig(model=MODEL, device="cpu", cuda_graphs=False))
+    assert not engine.stats().static_step and engine.stats().cuda_graphs == 0
+
+
 def test_an_option_the_engine_does_not_take_is_refused_by_name(built):
     with pytest.raises(InvalidArgumentError, match="unknown engine option 'draft_budgett'"):
         engines.shared_engine(MODEL, device="cpu", draft_budgett=3)

@@ -82,6 +82,7 @@ def create_app(
         @app.get("/metrics")
         async def metrics() -> Response:
             server.metrics.prompt_cache(server.engine.prompt_cache.stats())
+            server.metrics.engine(server.engine.stats())
             return Response(server.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

@@ -29,8 +29,9 @@ class ServerConfig:
     engine beyond the one it runs, after which the server answers 503; `api_key`: what clients must
     send as `Authorization: Bearer KEY` (None: no key); the timeouts: `app.create_app`'s and, on
     SIGTERM or SIGINT, `shutdown_timeout_s` for the running generations to finish;
-    `max_batch`: generations the engine runs together and `draft_budget`: draft tokens a sequence
-    verifies per step at most (None: the defaults; `SpeculativeEngine`);
+    `max_batch`: generations the engine runs together, `draft_budget`: draft tokens a sequence
+    verifies per step at most and `cuda_graphs`: its step replayed in CUDA graphs (None: the
+    defaults; `SpeculativeEngine`);
     `quantization` and `draft_quantization`: as `SpeculativeEngine.from_pretrained` takes them;
     `prompt_cache_dir` and `prompt_cache_disk_bytes`: the prompt cache's disk tier, one folder every
     replica shares; `warm`: prompts prefilled before the first request (`entrypoints/warm.py`)."""
@@ -45,6 +46,7 @@ class ServerConfig:
     max_queued: int = 16
     max_batch: int | None = None
     draft_budget: int | None = None
+    cuda_graphs: bool | None = None
     quantization: str | None = None
     draft_quantization: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
@@ -74,7 +76,8 @@ def load(config: ServerConfig) -> tuple[SpeculativeEngine, CorpusIndex | None]:
     engine = shared_engine(
         config.model, dtype=config.dtype, device=config.device, quantization=config.quantization, index=index,
         draft_model=config.draft_model, draft_quantization=config.draft_quantization, max_batch=config.max_batch,
-        draft_budget=config.draft_budget, prompt_cache_dir=config.prompt_cache_dir, prompt_cache_disk_bytes=config.prompt_cache_disk_bytes,
+        draft_budget=config.draft_budget, cuda_graphs=config.cuda_graphs, prompt_cache_dir=config.prompt_cache_dir,
+        prompt_cache_disk_bytes=config.prompt_cache_disk_bytes,
     )  # fmt: skip
     warm(engine, config.warm)
     return engine, index

@@ -12,6 +12,7 @@ from typing import Any
 
 from ...decoding.prompt_cache import PromptCacheStats
 from ...decoding.result import GenerationStats
+from ...engine.engine import EngineStats
 
 PREFIX = "rag_speculate_"
 # Seconds per request, and decode tokens per second: CPU answers take seconds, GPU ones far less.
@@ -47,6 +48,8 @@ _METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] 
                                        "rejected, evicted, refused (an entry at a block's name not ours to remove)",
                                        ("outcome",), None),
     "prompt_cache_disk_loads_skipped_total": ("counter", "Disk loads not made because prefilling was predicted faster", (), None),
+    "cuda_graphs": ("gauge", "CUDA graphs the engine captured of its verification step, one per shape", (), None),
+    "cuda_graph_bytes": ("gauge", "GPU memory the engine's CUDA graphs hold", (), None),
 }
 
 
@@ -128,6 +131,11 @@ class Metrics:
         self._record("prompt_cache_bytes", "set", stats.bytes, tier="memory")
         self._record("prompt_cache_bytes", "set", stats.disk_bytes, tier="disk")
         self._record("prompt_cache_disk_saved_seconds", "set", stats.disk_saved_s)
+
+    def engine(self, stats: EngineStats) -> None:
+        """The engine's CUDA graphs as they stand."""
+        self._record("cuda_graphs", "set", stats.cuda_graphs)
+        self._record("cuda_graph_bytes", "set", stats.cuda_graph_bytes)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format (the prometheus backend only)."""

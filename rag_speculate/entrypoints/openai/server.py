@@ -199,6 +199,7 @@ class Server:
         now = time.perf_counter()
         self.metrics.finished(result.stats, now - job.arrived, job.started - job.arrived + result.stats.time_to_first_token_s)
         self.metrics.prompt_cache(self.engine.prompt_cache.stats())
+        self.metrics.engine(self.engine.stats())
 
     def tool_calls(self, job: Job, text: str) -> ToolCallsRead | None:
         """The calls an answer makes, in OpenAI's shape (None when the request gave no tools or none
