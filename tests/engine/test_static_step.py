@@ -81,7 +81,7 @@ def test_a_request_too_long_for_a_row_is_refused_naming_what_to_change(tokenizer
 
 
 def test_cuda_graphs_are_refused_by_name_where_they_cannot_run(tokenizer):
-    model = tiny_model("llama")
+    model = tiny_model("llama").to("cpu")  # on the CPU wherever the tests run
     with pytest.raises(InvalidArgumentError, match="cuda_graphs=True, but the model is on cpu") as refused:
         SpeculativeEngine(model, tokenizer, cuda_graphs=True)
     assert refused.value.argument == "cuda_graphs"
