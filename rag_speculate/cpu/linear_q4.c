@@ -75,6 +75,8 @@ typedef struct {
     const uint8_t *sub; /* N x supers x 2 subs: the scales, then the minimums */
     const float *d, *o; /* N x supers */
     int64_t K, size, supers, subs;
+    const uint8_t *sub_end; /* past the last byte of `sub` */
+    __m128i mins;           /* a byte shuffle taking the minimums from a super-block's 16 bytes, zero past them */
 } weights;
 
 /* Rows of x quantized: int8 values, per super-block the scale, and per sub-block the values' sum
@@ -90,30 +92,42 @@ static inline __m128i pick(int e) {
     return _mm_set1_epi16((short)((2 * e) | ((2 * e + 1) << 8)));
 }
 
+/* The 16 bytes from super-block b's scales on (its scales and minimums, and whatever follows): read in
+ * place, or, for the last few of the whole tensor, copied, not to read past its end. */
+static inline __m128i sub_bytes(const weights *W, int64_t b) {
+    const uint8_t *p = W->sub + b * 2 * W->subs;
+    if (p + 16 <= W->sub_end) return _mm_loadu_si128((const __m128i *)p);
+    uint8_t tail[16] = {0};
+    memcpy(tail, p, W->sub_end - p);
+    return _mm_loadu_si128((const __m128i *)tail);
+}
+
 /* m rows of x (from i0) against r weight rows (from n) over super-blocks [s0, s1), adding to the
  * accumulators `acc` and `accm` (r x X_ROWS of each, kept between calls); m and r are constants in
  * each instance, so the loops unroll. */
 static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, fvec *acc,
                                                        __m128 *accm, const int m, const int r, int64_t s0, int64_t s1) {
-    const int64_t K = W->K, S = W->size, subs = W->subs, supers = W->supers, chunks = S / CHUNK;
+    const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK;
     const __m256i nibble = _mm256_set1_epi8(15);
     fvec a[W_ROWS][X_ROWS];
     __m128 am[W_ROWS][X_ROWS];
     for (int j = 0; j < r; j++)
         for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i], am[j][i] = accm[j * X_ROWS + i];
     for (int64_t s = s0; s < s1; s++) {
-        uint8_t sub[W_ROWS][16];
+        __m128i sub[W_ROWS];
         ivec scales[W_ROWS];
         for (int j = 0; j < r; j++) {
-            memset(sub[j], 0, sizeof sub[j]);
-            memcpy(sub[j], W->sub + ((n + j) * supers + s) * 2 * subs, 2 * subs);
-            scales[j] = spread(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sub[j])));
+            sub[j] = sub_bytes(W, (n + j) * supers + s);
+            scales[j] = spread(_mm_cvtepu8_epi16(sub[j]));
         }
         ivec lanes[W_ROWS][X_ROWS];
         for (int j = 0; j < r; j++)
             for (int i = 0; i < m; i++) lanes[j][i] = izero();
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t at = s * S + c * CHUNK;
+            /* The next tile's r rows, 32 bytes of each a step, fetched ahead: the hardware's prefetcher
+             * misses rows read side by side. */
+            for (int j = 0; j < r; j++) _mm_prefetch((const char *)(W->qs + (n + r + j) * (K / 2) + at / 2), _MM_HINT_T1);
 #ifdef __AVX512F__
             /* The 32 bytes twice: the low half keeps the low nibbles (values 0-31), the high half the high ones (32-63). */
             const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -159,7 +173,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
         /* The super-block's scales, once: the lanes by d dx, the minimums' sum by o dx. */
         for (int j = 0; j < r; j++) {
             const float d = W->d[(n + j) * supers + s], o = W->o[(n + j) * supers + s];
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sub[j] + subs)));
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
             for (int i = 0; i < m; i++) {
                 const float dx = A->d[(i0 + i) * supers + s];
 #ifdef __AVX512F__
@@ -283,7 +297,11 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
 void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, const float *bias,
                float *out, int64_t M, int64_t N, int64_t K, int threads) {
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N,
-             .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / SUB}};
+             .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / SUB,
+                   .sub_end = sub + N * (K / 16)}};
+    uint8_t take[16];
+    for (int i = 0; i < 16; i++) take[i] = i < J.W.subs ? (uint8_t)(J.W.subs + i) : 0x80;
+    J.W.mins = _mm_loadu_si128((const __m128i *)take);
     J.A.q = malloc(M * K);
     J.A.d = malloc(sizeof(float) * M * J.W.supers);
     J.A.sums = malloc(sizeof(int16_t) * M * J.W.supers * MAX_SUBS);
