@@ -103,16 +103,12 @@ static inline __m128i sub_bytes(const weights *W, int64_t b) {
 }
 
 /* m rows of x (from i0) against r weight rows (from n) over super-blocks [s0, s1), adding to the
- * accumulators `acc` and `accm` (r x X_ROWS of each, kept between calls); m and r are constants in
- * each instance, so the loops unroll. */
+ * accumulators `acc` and `accm` (r x X_ROWS of each, kept between calls, in memory: the registers go to
+ * the integer lanes); m and r are constants in each instance, so the loops unroll. */
 static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, fvec *acc,
                                                        __m128 *accm, const int m, const int r, int64_t s0, int64_t s1) {
     const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK;
     const __m256i nibble = _mm256_set1_epi8(15);
-    fvec a[W_ROWS][X_ROWS];
-    __m128 am[W_ROWS][X_ROWS];
-    for (int j = 0; j < r; j++)
-        for (int i = 0; i < m; i++) a[j][i] = acc[j * X_ROWS + i], am[j][i] = accm[j * X_ROWS + i];
     for (int64_t s = s0; s < s1; s++) {
         __m128i sub[W_ROWS];
         ivec scales[W_ROWS];
@@ -170,24 +166,29 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
             }
 #endif
         }
-        /* The super-block's scales, once: the lanes by d dx, the minimums' sum by o dx. */
+        /* The super-block's scales, once: the lanes by d dx, the minimums' sum by o dx (each product
+         * one fp32 rounding, whether of broadcasts or of scalars). */
+        __m128 dx[X_ROWS];
+        __m128i sums[X_ROWS];
+        for (int i = 0; i < m; i++) {
+            dx[i] = _mm_set1_ps(A->d[(i0 + i) * supers + s]);
+            sums[i] = _mm_loadu_si128((const __m128i *)(A->sums + ((i0 + i) * supers + s) * MAX_SUBS));
+        }
         for (int j = 0; j < r; j++) {
-            const float d = W->d[(n + j) * supers + s], o = W->o[(n + j) * supers + s];
+            const __m128 d = _mm_set1_ps(W->d[(n + j) * supers + s]), o = _mm_set1_ps(W->o[(n + j) * supers + s]);
             const __m128i mins = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
             for (int i = 0; i < m; i++) {
-                const float dx = A->d[(i0 + i) * supers + s];
+                fvec *a = acc + j * X_ROWS + i;
+                __m128 *am = accm + j * X_ROWS + i;
 #ifdef __AVX512F__
-                a[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[j][i]), _mm512_set1_ps(d * dx), a[j][i]);
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[j][i]), _mm512_broadcastss_ps(_mm_mul_ps(d, dx[i])), *a);
 #else
-                a[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[j][i]), _mm256_set1_ps(d * dx), a[j][i]);
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[j][i]), _mm256_broadcastss_ps(_mm_mul_ps(d, dx[i])), *a);
 #endif
-                const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + ((i0 + i) * supers + s) * MAX_SUBS));
-                am[j][i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, sums)), _mm_set1_ps(o * dx), am[j][i]);
+                *am = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, sums[i])), _mm_mul_ps(o, dx[i]), *am);
             }
         }
     }
-    for (int j = 0; j < r; j++)
-        for (int i = 0; i < m; i++) acc[j * X_ROWS + i] = a[j][i], accm[j * X_ROWS + i] = am[j][i];
 }
 
 #define TILES(m)                                                                                                          \
