@@ -141,8 +141,8 @@ class SpeculativeEngine:
 
         `device=None` is CUDA when torch sees a GPU, else the CPU; `dtype=None` is bf16 on a GPU and
         on CPUs that compute in it, else fp32 (`devices.default_dtype`). `quantization`: "int8" (int8
-        weights and activations, as llama.cpp's Q8_0) or "int4" (activations in `dtype`), or "gguf" to keep a GGUF file's own quantized
-        tensors; on the CPU (`rag_speculate.quantization`). The answers are then exactly the
+        weights and activations, as llama.cpp's Q8_0) or "int4" (GGUF's Q4_K times int8 activations, as llama.cpp's
+        Q4_K x Q8_K), or "gguf" to keep a GGUF file's own quantized tensors; on the CPU (`rag_speculate.quantization`). The answers are then exactly the
         quantized model's own.
         """
         from ..models.loading import load_model
