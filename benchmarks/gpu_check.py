@@ -1,20 +1,26 @@
-"""One command for a bare CUDA machine: the tests on the GPU, forward costs, engine overhead, real-weight speed.
+"""One command for a bare CUDA machine: the tests on the GPU, forward costs eager and in CUDA graphs,
+engine overhead, real-weight speed against transformers' compiled static cache, throughput.
 
     python3 benchmarks/gpu_check.py --out gpu_check_results              # cuda where available, bf16
-    python3 benchmarks/gpu_check.py --device cpu --quick --out /tmp/gc   # seconds, tiny models
+    python3 benchmarks/gpu_check.py --device cpu --quick --out /tmp/gc   # tiny models, CUDA-only rows skipped
 
 It needs torch, transformers and numpy only (pytest for section 1, pydivsufsort for REST, a
-SmolLM2-135M-Instruct folder or the packaged one for section 4; each missing piece skips its part
-with a line in the summary). Runs from a checkout: the repo's source is imported, not installed.
+SmolLM2-135M-Instruct folder or the packaged one for sections 4 and 6; each missing piece skips its
+part with a line in the summary). Runs from a checkout: the repo's source is imported, not installed.
 
 1. tests: the CUDA test selection under RAG_SPECULATE_TEST_DEVICE=<device>, log in tests.log;
 2. forward cost: the target's forward against tokens fed, tree (4D mask) and plain causal, for
    Qwen2.5-1.5B and 7B shapes at random weights (weights' values do not change a forward's time);
 3. step overhead: the engine's time per decoding step outside the target's forward;
-4. real weights: SmolLM2-135M-Instruct on the Spec-Bench dev items, ours against `generate`.
+4. real weights: SmolLM2-135M-Instruct on the Spec-Bench dev items, ours (CUDA graphs, eager, fixed
+   shapes eagerly) against `generate` (dynamic cache, prompt lookup, static cache compiled); and in
+   fp32 on a subset, where the run is not fp32, ours against `generate` token for token;
+5. the fixed-shape step's forward, eager against CUDA graphs, per bucket, beside the weight-read floor;
+6. throughput: 1, 4, 16 and 64 requests run together through the engine's batching.
 
-Each section writes a markdown table to --out, gpu_check.json holds every raw number, and the
-summary is printed last on stdout (progress goes to stderr).
+The sections run in the order real, fp32, graphs, batch, forward, tests (the newest first), each
+timed. Each writes a markdown table to --out, gpu_check.json (rewritten after every section) holds
+every raw number, and the summary is printed last on stdout (progress goes to stderr).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import platform
@@ -40,6 +47,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,15 +55,21 @@ import torch
 import transformers
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers import models as tokenizer_models
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, AutoTokenizer, CompileConfig, PreTrainedModel, PreTrainedTokenizerFast,
+                          Qwen2Config)
 
-from rag_speculate import Datastore, DatastoreError, GenerationStats, NGramTrieDrafter, RESTDrafter, SpeculativeEngine
-from rag_speculate.decoding.baseline import timed_generate
+from rag_speculate import (Datastore, DatastoreError, GenerationResult, GenerationStats, NGramTrieDrafter, RESTDrafter,
+                           SpeculativeEngine)
+# _timed_generate: timed_generate's body, called on a thread of our own (hf_methods says why).
+from rag_speculate.decoding.baseline import _timed_generate, timed_generate
 from rag_speculate.decoding.forward import ModelForward, TreeForward
 from rag_speculate.decoding.kv_cache import keep_cache_entries, make_cache
 from rag_speculate.decoding.lean_forward import lean_forward
 from rag_speculate.decoding.probe import probe_ids
+from rag_speculate.decoding.prompt_cache import kv_bytes_per_token
+from rag_speculate.decoding.static import StaticStep
 from rag_speculate.decoding.tree import DraftTree
+from rag_speculate.engine.engine import DEFAULT_DRAFT_BUDGET, EngineStats
 from rag_speculate.models.gguf_file import dense_gguf
 
 # The dev items shipped with the benchmarks (benchmarks/data/README.md).
@@ -72,7 +86,6 @@ TESTS = ["tests/engine/test_lossless.py", "tests/decoding/test_sampling.py", "te
          "tests/quantization/test_layer.py::test_a_model_quantized_through_transformers_works_unchanged",
          "tests/quantization/test_layer.py::test_llm_int8_outlier_columns_are_named_as_rows_that_interact"]
 QUICK_TESTS = ["tests/decoding/test_tree.py", "tests/engine/test_portable.py", "-k", "trie or test_tree.py"]
-TESTS_TIMEOUT_S = 1800
 
 # Architectures as their config.json have them. Rope settings are left at the defaults: they do not
 # change a forward's cost.
@@ -98,6 +111,17 @@ def log(message: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def noop() -> None:
+    pass
+
+
+def graphs_said(stats: EngineStats) -> str:
+    """How an engine's step runs, as its stats() say."""
+    if stats.cuda_graphs:
+        return f"{stats.cuda_graphs} CUDA graphs, {stats.cuda_graph_bytes / 2**20:.0f} MiB"
+    return "no CUDA graphs"
+
+
 def sync(device: torch.device) -> None:
     # CUDA runs asynchronously: without this a timer reads the kernel launches, not the work.
     if device.type == "cuda":
@@ -107,7 +131,7 @@ def sync(device: torch.device) -> None:
 # --- 1. the tests on the device ------------------------------------------------------------
 
 
-def run_tests(device: torch.device, quick: bool, out: Path) -> dict:
+def run_tests(device: torch.device, quick: bool, out: Path, timeout_s: int) -> dict:
     if importlib.util.find_spec("pytest") is None:
         return {"status": "skipped", "note": "pytest is not installed here (pip install pytest, or copy a wheel)"}
     selection = QUICK_TESTS if quick else TESTS
@@ -119,10 +143,10 @@ def run_tests(device: torch.device, quick: bool, out: Path) -> dict:
     log(f"tests: {shlex.join(command[1:])} on {device}")
     started = time.perf_counter()
     try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S)
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as expired:  # a hung test must not hang the whole check
-        returncode, stdout = -1, _text(expired.stdout) + f"\n[gpu_check] killed after {TESTS_TIMEOUT_S} s"
+        returncode, stdout = -1, _text(expired.stdout) + f"\n[gpu_check] killed after {timeout_s} s"
         stderr = _text(expired.stderr)
     (out / "tests.log").write_text(f"$ RAG_SPECULATE_TEST_DEVICE={device} {shlex.join(command)}\n\n{stdout}\n{stderr}")
     counts = pytest_counts(stdout)
@@ -235,29 +259,49 @@ def forward_cost_markdown(costs: dict, dtype: torch.dtype, device_name: str) -> 
 class ForwardClock:
     """Seconds inside each of an engine's target forwards (prefill first), read by wrapping
     `ModelForward.logits`, which every forward of the engine's model runs through (one sequence's
-    or a batch's, the model's own forward or its lean one); a draft model's are not counted.
-    Synchronized on CUDA, so the GPU's work is counted here and not in the read-back of the accepted
-    tokens that follows it."""
+    or a batch's, the model's own forward or its lean one), and, where the engine verifies in fixed
+    shapes, its step's `replay`, through which each verification runs (a CUDA graph's replay calls
+    no `logits`); a draft model's are not counted. Synchronized on CUDA, so the GPU's work is
+    counted here and not in the read-back of the accepted tokens that follows it."""
 
     def __init__(self, engine: SpeculativeEngine):
         self.seconds: list[float] = []
         model, device = engine.model, engine.model.device
         inner = self._inner = ModelForward.logits
+        self._step = getattr(engine._runner, "step", None)
+        replaying = False  # inside a replay, whose time is counted once, as one forward
 
-        def timed(forward: ModelForward, *args, **kwargs):
-            if forward.model is not model:
-                return inner(forward, *args, **kwargs)
+        def clocked(run: Callable[[], torch.Tensor]) -> torch.Tensor:
             sync(device)
             started = time.perf_counter()
-            output = inner(forward, *args, **kwargs)
+            output = run()
             sync(device)
             self.seconds.append(time.perf_counter() - started)
             return output
 
+        def timed(forward: ModelForward, *args, **kwargs):
+            if forward.model is not model or replaying:
+                return inner(forward, *args, **kwargs)
+            return clocked(lambda: inner(forward, *args, **kwargs))
+
         ModelForward.logits = timed
+        if self._step is not None:
+            replay = self._replay = self._step.replay
+
+            def timed_replay(shape: tuple[int, int], run: Callable[[], torch.Tensor]) -> torch.Tensor:
+                nonlocal replaying
+                replaying = True
+                try:
+                    return clocked(lambda: replay(shape, run))
+                finally:
+                    replaying = False
+
+            self._step.replay = timed_replay
 
     def remove(self) -> None:
         ModelForward.logits = self._inner
+        if self._step is not None:
+            self._step.replay = self._replay
 
 
 @dataclass
@@ -307,6 +351,7 @@ def step_overhead_random(model: PreTrainedModel, context: int, max_new_tokens: i
     continuation, so the trie's drafts are accepted as a RAG answer's copied spans are, and steps
     verify full-sized trees. The first generation (no documents) makes that document and warms up."""
     engine = SpeculativeEngine(model, id_tokenizer(model.config.vocab_size), NGramTrieDrafter())
+    capture_buckets(engine)
     prompt = [(11 * i + 5) % model.config.vocab_size for i in range(context)]
     continuation = engine.generate(prompt, max_new_tokens=max_new_tokens).token_ids
     clock, totals = ForwardClock(engine), StepTotals()
@@ -396,16 +441,114 @@ class Run:
 Method = Callable[[Item, int], Run]
 
 
-def hf_method(model: PreTrainedModel, **kwargs: Any) -> Method:
+def hf_method(model: PreTrainedModel, thread: ThreadPoolExecutor | None = None, **kwargs: Any) -> Method:
+    """Greedy `generate` with `kwargs`, timed; every call on `thread` where one is given, else each on a
+    thread of its own (`timed_generate`)."""
+
     def run(item: Item, max_new_tokens: int) -> Run:
-        out = timed_generate(model, item.prompt_ids, max_new_tokens, **kwargs)
+        if thread is None:
+            out = timed_generate(model, item.prompt_ids, max_new_tokens, **kwargs)
+        else:
+            args = (model, item.prompt_ids, max_new_tokens, contextlib.nullcontext, kwargs)
+            out = thread.submit(_timed_generate, *args).result()
         return Run(out.token_ids, out.decode_s, out.decode_tokens)
 
     return run
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process: more after the warm-up means recompiles inside timed runs."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def hf_methods(model: PreTrainedModel, first: Item, max_new_tokens: int, cache_tokens: int, notes: list[str], *,
+               full: bool, thread: ThreadPoolExecutor) -> dict[str, Method]:
+    """`generate` with transformers' dynamic cache, and (`full`) with prompt lookup and with its static
+    cache and compiled decoding forward, each warmed up on `first`."""
+    methods = {"hf-greedy": hf_method(model)}
+    if full:
+        methods["hf-pld"] = hf_method(model, prompt_lookup_num_tokens=10)
+    if full and model.device.type != "cuda":
+        notes.append("hf-static-compiled skipped: transformers compiles generate's forward on a GPU only")
+    elif full:
+        # transformers' fastest documented path: on a static cache, generate compiles its decoding forward
+        # (mode reduce-overhead: CUDA graphs). One cache length for every item, so a new prompt's length
+        # recompiles nothing; one thread for every call, as torch keeps its CUDA graph trees per thread.
+        methods["hf-static-compiled"] = hf_method(
+            model, thread, cache_implementation="static", max_cache_len=cache_tokens,
+            compile_config=CompileConfig(mode="reduce-overhead"),
+        )
+    for name, method in methods.items():
+        started = time.perf_counter()
+        method(first, 4)  # first calls pay one-off costs
+        if name == "hf-static-compiled":
+            method(first, max_new_tokens)
+            notes.append(f"hf-static-compiled: generate(cache_implementation=\"static\", "
+                         f"max_cache_len={cache_tokens}), its decoding forward compiled by torch.compile (mode "
+                         f"reduce-overhead); warm-up {time.perf_counter() - started:.1f} s (compiling, capturing), "
+                         "untimed")
+    return methods
+
+
+# Ours with the trie: as the engine runs by default (on a GPU: CUDA graphs replaying the fixed-shape
+# step), eagerly on the growing cache, and in fixed shapes eagerly.
+OURS: dict[str, dict[str, bool]] = {"ours-trie": {}, "ours-trie-eager": {"cuda_graphs": False},
+                                    "ours-trie-static": {"cuda_graphs": False, "static_step": True}}
+
+
+def sized_engine(
+    model: PreTrainedModel, tokenizer, drafter, row_tokens: int, max_batch: int = 1, **options: Any
+) -> SpeculativeEngine:
+    """An engine of `max_batch` rows of `row_tokens` KV entries each: the fixed-shape step reads a row's
+    whole capacity, so rows are sized to the items, not to the default 8,192 tokens. Its graphs are
+    captured now (`capture_buckets`), before anything is timed."""
+    engine = SpeculativeEngine(model, tokenizer, drafter, max_batch=max_batch,
+                               kv_cache_bytes=kv_bytes_per_token(model) * max_batch * row_tokens, **options)
+    capture_buckets(engine)
+    return engine
+
+
+def capture_buckets(engine: SpeculativeEngine) -> None:
+    """Every bucket of the engine's fixed-shape step captured in its CUDA graph, where graphs replay it
+    (a capture costs a few forwards, once: not inside a timed run). Only before the engine's first
+    step: a bucket run alone must find its buffers as padding, and a step leaves them filled."""
+    if engine._graphs is None:
+        return
+    step = engine._runner.step
+    with torch.inference_mode():
+        for shape in step.shapes():
+            step.bucket(shape)()
+
+
+def our_engines(model: PreTrainedModel, tokenizer, eager: SpeculativeEngine, row_tokens: int, notes: list[str], *,
+                rest: bool) -> dict[str, SpeculativeEngine]:
+    """`OURS`, one stream each (`eager`: an engine without graphs, which the items were tokenized
+    with), and (`rest`) the trie with REST, with the engine's defaults."""
+    on_cuda = model.device.type == "cuda"
+    engines = {"ours-trie": sized_engine(model, tokenizer, NGramTrieDrafter(), row_tokens) if on_cuda else eager}
+    if on_cuda:
+        engines["ours-trie-eager"] = eager
+    else:
+        notes.append("ours-trie-eager not run apart: on a CPU the engine's default (ours-trie) is the eager one")
+    static = OURS["ours-trie-static"]
+    engines["ours-trie-static"] = sized_engine(model, tokenizer, NGramTrieDrafter(), row_tokens, **static)
+    if rest:
+        store = nq_datastore(tokenizer)
+        if isinstance(store, Datastore):
+            drafters = [NGramTrieDrafter(), RESTDrafter(store)]
+            engines["ours-trie+rest"] = sized_engine(model, tokenizer, drafters, row_tokens)
+            notes.append(f"REST datastore: the shipped Natural Questions passages, {store.num_tokens} tokens")
+        else:
+            notes.append(f"ours-trie+rest skipped: {store}")
+    stats = engines["ours-trie"].stats()
+    step = "the fixed-shape step" if stats.static_step else "the growing cache"
+    notes.append(f"ours-trie, the engine's defaults here: {graphs_said(stats)}, {step}; rows of {row_tokens} tokens, "
+                 "one stream (max_batch 1)")
+    return engines
+
+
 def engine_method(engine: SpeculativeEngine, totals: StepTotals | None = None) -> Method:
-    """One of ours; with `totals`, its steps are clocked into them (section 3's real-weight row)."""
+    """One of ours; with `totals`, its steps are clocked into them (section 3's real-weight rows)."""
 
     def run(item: Item, max_new_tokens: int) -> Run:
         clock = ForwardClock(engine) if totals is not None else None
@@ -422,31 +565,32 @@ def engine_method(engine: SpeculativeEngine, totals: StepTotals | None = None) -
     return run
 
 
-def real_weight_speed(engine: SpeculativeEngine, items: list[Item], max_new_tokens: int, notes: list[str]) -> tuple[dict, StepTotals]:
-    """Every method on every item, in a rotating order per item so machine noise hits all alike.
-    `engine`: ours with the trie; its steps are clocked for section 3."""
-    model, tokenizer = engine.model, engine.tokenizer
-    # Warm-up, on the shortest item: first calls pay one-off costs, and the engine times its forward
-    # cost curve in its first generation.
+def real_weight_methods(model: PreTrainedModel, tokenizer, items_from: Callable[[SpeculativeEngine], list[Item]],
+                        max_new_tokens: int, notes: list[str], *, full: bool,
+                        thread: ThreadPoolExecutor) -> tuple[list[Item], dict[str, Method], dict[str, StepTotals]]:
+    """The items, every method warmed up on the shortest, and the step totals each of ours with the
+    trie alone is clocked into. `full`: prompt lookup, the compiled static cache and trie+REST too."""
+    eager = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), max_batch=1, **OURS["ours-trie-eager"])
+    items = items_from(eager)
+    why_not = eager.traits.lean_forward.why_not
+    notes.append("the engine's target forward: " + (f"the model's own ({why_not})" if why_not else "lean"))
     first = min(items, key=lambda item: len(item.prompt_ids))
-    engine.generate(first.prompt_ids, documents=first.documents, max_new_tokens=4)
-    for kwargs in ({}, {"prompt_lookup_num_tokens": 10}):
-        timed_generate(model, first.prompt_ids, 4, **kwargs)
-    engines = {"ours-trie": engine}
-    store = nq_datastore(tokenizer)
-    if isinstance(store, Datastore):
-        engines["ours-trie+rest"] = rest = SpeculativeEngine(model, tokenizer, [NGramTrieDrafter(), RESTDrafter(store)])
-        # One cost curve for all of ours, so they differ only in their drafters.
-        rest.cost_model = engine.cost_model
-        rest.generate(first.prompt_ids, documents=first.documents, max_new_tokens=4)
-        notes.append(f"REST datastore: the shipped Natural Questions passages, {store.num_tokens} tokens")
-    else:
-        notes.append(f"ours-trie+rest skipped: {store}")
-    trie_steps = StepTotals()
-    methods: dict[str, Method] = {
-        "hf-greedy": hf_method(model),
-        "hf-pld": hf_method(model, prompt_lookup_num_tokens=10),
-    } | {name: engine_method(e, trie_steps if name == "ours-trie" else None) for name, e in engines.items()}
+    row_tokens = max(len(item.prompt_ids) for item in items) + max_new_tokens + DEFAULT_DRAFT_BUDGET + 1
+    hf = hf_methods(model, first, max_new_tokens, row_tokens, notes, full=full, thread=thread)
+    engines = our_engines(model, tokenizer, eager, row_tokens, notes, rest=full)
+    # Warm-up: the first generation times the engine's forward cost curve; ours share that one
+    # curve, so they differ only in how the step runs and in their drafters.
+    lead = engines["ours-trie"]
+    lead.generate(first.prompt_ids, documents=first.documents, max_new_tokens=4)
+    for engine in [engine for engine in engines.values() if engine is not lead]:
+        engine.cost_model = lead.cost_model
+        engine.generate(first.prompt_ids, documents=first.documents, max_new_tokens=4)
+    steps = {name: StepTotals() for name in engines if name in OURS}
+    return items, hf | {name: engine_method(e, steps.get(name)) for name, e in engines.items()}, steps
+
+
+def real_weight_speed(methods: dict[str, Method], items: list[Item], max_new_tokens: int) -> dict[str, list[dict]]:
+    """Every method on every item, in a rotating order per item so machine noise hits all alike."""
     runs: dict[str, list[dict]] = {name: [] for name in methods}
     names = list(methods)
     for i, item in enumerate(items):
@@ -459,11 +603,12 @@ def real_weight_speed(engine: SpeculativeEngine, items: list[Item], max_new_toke
             runs[name][-1]["identical"] = runs[name][-1]["tokens"] == reference
         log(f"real weights [{i + 1}/{len(items)}] {item.category}: " + ", ".join(
             f"{n} {runs[n][-1]['decode_tokens'] / max(runs[n][-1]['decode_s'], 1e-9):.1f} tok/s" for n in names))
-    return runs, trie_steps
+    return runs
 
 
 def speed_table(runs: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
-    """{method: {category or "all": decode tokens/s over its items, ratio to hf-greedy, identical count}}."""
+    """{method: {category or "all": decode tokens/s over its items, ratio to hf-greedy (and to
+    hf-static-compiled where it ran), identical count}}."""
     def group(rows: list[dict]) -> dict:
         seconds = sum(r["decode_s"] for r in rows)
         return {"items": len(rows), "identical": sum(r["identical"] for r in rows),
@@ -475,22 +620,164 @@ def speed_table(runs: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
         table[method] = {c: group([r for r in rows if r["category"] == c]) for c in categories} | {"all": group(rows)}
     for method, groups in table.items():
         for key, g in groups.items():
-            base = table["hf-greedy"][key]["decode_tokens_per_s"]
-            g["speedup"] = g["decode_tokens_per_s"] / base if base else 0.0
+            for name, peer in (("speedup", "hf-greedy"), ("vs_compiled", "hf-static-compiled")):
+                if peer in table:
+                    base = table[peer][key]["decode_tokens_per_s"]
+                    g[name] = g["decode_tokens_per_s"] / base if base else 0.0
     return table
 
 
-def real_weights_markdown(section: dict) -> str:
-    lines = ["# Real weights: SmolLM2-135M-Instruct on the Spec-Bench dev items", ""]
+def real_weights_markdown(section: dict, title: str) -> str:
+    lines = [f"# {title}", ""]
     if section["status"] != "ran":
         return "\n".join(lines + [section["note"], ""])
-    lines += [f"Model: {section['model']}; {section['max_new_tokens']} new tokens at most; decode tokens/s over all items "
-              "(the tokens after the first, over the time after it); identical: token for token equal to hf-greedy's.", ""]
+    compiled = "hf-static-compiled" in section["table"]
+    lines += [f"Model: {section['model']}, {section['dtype']}; {section['max_new_tokens']} new tokens at most; "
+              "decode tokens/s over all items (the tokens after the first, over the time after it); identical: "
+              "token for token equal to hf-greedy's.", ""]
     lines += [f"- {note}" for note in section["notes"]] + [""]
-    lines += ["| method | category | items | identical | decode tok/s | x hf-greedy |", "|---|---|---:|---:|---:|---:|"]
+    lines += ["| method | category | items | identical | decode tok/s | x hf-greedy |"
+              + " x hf-static-compiled |" * compiled,
+              "|---|---|---:|---:|---:|---:|" + "---:|" * compiled]
     for method, groups in section["table"].items():
         for key, g in groups.items():
-            lines.append(f"| {method} | {key} | {g['items']} | {g['identical']}/{g['items']} | {g['decode_tokens_per_s']:.1f} | {g['speedup']:.2f} |")
+            lines.append(f"| {method} | {key} | {g['items']} | {g['identical']}/{g['items']} "
+                         f"| {g['decode_tokens_per_s']:.1f} | {g['speedup']:.2f} |"
+                         + (f" {g['vs_compiled']:.2f} |" if compiled else ""))
+    return "\n".join(lines) + "\n"
+
+
+# --- 5. the fixed-shape step's forward, eager against CUDA graphs -------------------------------------
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes a second the device's memory moves, from a copy of `nbytes` (each byte read once and written once)."""
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    seconds = median_seconds(lambda: target.copy_(source), noop, device, warmup=2, repeats=5)
+    return 2 * nbytes / seconds
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    """The weights one forward reads: every parameter but an untied input embedding, of which a forward
+    reads only the fed tokens' rows."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = embedding is model.get_output_embeddings().weight
+    return total if tied else total - embedding.numel() * embedding.element_size()
+
+
+def graph_forward_costs(model: PreTrainedModel, contexts: list[int], warmup: int, repeats: int) -> dict:
+    """{context: {"capacity", "eager": {q: s}, "graphs": {q: s} or None, "graph_count", "graph_bytes"}}:
+    one forward of the engine's fixed-shape step over one row of q tokens (q = 1, 2, 4, ... 64, its
+    buckets at a draft budget of 63), run eagerly and replayed from its CUDA graph (CUDA only). The
+    step reads a row's whole capacity whatever the row holds, so the context is the capacity: the
+    engine's `kv_cache_bytes` sized to it (rounded up to 64). Its buckets run alone, so padding is fed,
+    in the shapes and kernels a step runs."""
+    on_cuda = model.device.type == "cuda"
+    out: dict = {}
+    for context in contexts:
+        engine = SpeculativeEngine(
+            model, id_tokenizer(model.config.vocab_size), NGramTrieDrafter(), max_batch=1, draft_budget=63,
+            kv_cache_bytes=kv_bytes_per_token(model) * context, static_step=True, cuda_graphs=on_cuda,
+        )
+        runner = engine._runner
+        # The same step without graphs, on the same cache and forward, beside the one they replay.
+        eager = StaticStep(runner.forward, runner.cache, runner.step.tokens)
+        row = out[context] = {"capacity": runner.cache.capacity, "eager": {}, "graphs": {} if on_cuda else None}
+        with torch.inference_mode():
+            for shape in eager.shapes():
+                row["eager"][shape[1]] = median_seconds(eager.bucket(shape), noop, model.device, warmup, repeats)
+                if on_cuda:
+                    replayed = runner.step.bucket(shape)
+                    replayed()  # its capture
+                    row["graphs"][shape[1]] = median_seconds(replayed, noop, model.device, warmup, repeats)
+        stats = engine.stats()
+        row.update(graph_count=stats.cuda_graphs, graph_bytes=stats.cuda_graph_bytes)
+        del engine, runner, eager
+        if on_cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def graph_forward_markdown(section: dict, dtype: torch.dtype, device_name: str) -> str:
+    bandwidth = section["bandwidth_bytes_per_s"]
+    lines = [f"# The fixed-shape step's forward, eager against CUDA graphs ({dtype_name(dtype)}, {device_name}, "
+             "random weights)", "",
+             "t(q): median seconds of one forward of the engine's fixed-shape step over one row of q tokens "
+             "(`StaticStep.bucket`), eager and replayed from its CUDA graph; the context is the row's capacity, "
+             "all of which the step reads. floor: the weights one forward reads at the memory bandwidth a "
+             f"{section['copy_bytes'] / 2**30:.2f} GiB device copy measured ({bandwidth / 1e9:.0f} GB/s).", ""]
+    if not section["cuda"]:
+        lines += ["CUDA graphs: not on this device (CUDA only); eager rows alone.", ""]
+    for arch, r in section["archs"].items():
+        floor = r["weight_bytes"] / bandwidth
+        for context, c in r["contexts"].items():
+            graphs = c["graphs"]
+            base = graphs[1] if graphs else c["eager"][1]
+            lines += [f"## {arch}, context {context} (row capacity {c['capacity']}; {r['weight_bytes'] / 1e9:.2f} GB "
+                      f"of weights, floor {floor * 1e3:.3f} ms; {c['graph_count']} graphs, "
+                      f"{c['graph_bytes'] / 2**20:.0f} MiB)", "",
+                      "| q | eager s | graphs s | graphs / eager | t(q)/t(1) | x floor |",
+                      "|---:|---:|---:|---:|---:|---:|"]
+            for q, eager in c["eager"].items():
+                t = graphs[q] if graphs else eager  # t(q)/t(1) and the floor's multiple: the graphs' where they ran
+                cells = f"{t:.5f} | {t / eager:.2f}" if graphs else "- | -"
+                lines.append(f"| {q} | {eager:.5f} | {cells} | {t / base:.2f} | {t / floor:.1f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+# --- 6. throughput: concurrent requests through the engine's batching ------------------------------
+
+
+def run_together(engine: SpeculativeEngine, items: list[Item], max_new_tokens: int) -> list[GenerationResult]:
+    """The items submitted together and run as one batch (`generate_batch`, each with its own documents)."""
+    requests = [engine.prepare(i.prompt_ids, documents=i.documents, max_new_tokens=max_new_tokens) for i in items]
+    return [stream.collect() for stream in [engine.stream_request(request) for request in requests]]
+
+
+def throughput(
+    engine: SpeculativeEngine, items: list[Item], concurrencies: list[int], max_new_tokens: int
+) -> dict[int, dict]:
+    """For each concurrency c, c requests (the items in turn) run together: new tokens over the wall
+    time from submitting them to the last one's end, prefills included (the engine's prompt cache is
+    off, so each request prefills its prompt)."""
+    batch = [items[i % len(items)] for i in range(max(concurrencies))]
+    run_together(engine, batch[:1], 4)  # the first generation times the engine's cost curve
+    run_together(engine, batch, 4)  # the largest batch's memory allocated once, untimed
+    out: dict[int, dict] = {}
+    for c in concurrencies:
+        sync(engine.model.device)
+        started = time.perf_counter()
+        results = run_together(engine, batch[:c], max_new_tokens)
+        wall = time.perf_counter() - started
+        tokens = sum(r.stats.new_tokens for r in results)
+        decode = [(r.stats.new_tokens - 1) / r.stats.decode_s for r in results if r.stats.decode_s > 0]
+        out[c] = {"requests": c, "distinct_items": min(c, len(items)), "wall_s": wall, "new_tokens": tokens,
+                  "tokens_per_s": tokens / wall, "per_stream_tokens_per_s": tokens / wall / c,
+                  "decode_tokens_per_s_mean": statistics.mean(decode) if decode else 0.0}
+        log(f"throughput: {c} requests, {tokens / wall:.1f} tok/s together, {tokens / wall / c:.1f} a stream")
+    return out
+
+
+def throughput_markdown(section: dict) -> str:
+    lines = ["# Throughput: requests run together through the engine's batching (SmolLM2-135M-Instruct)", ""]
+    if section["status"] != "ran":
+        return "\n".join(lines + [section["note"], ""])
+    lines += [f"Model: {section['model']}, {section['dtype']}; ours with the trie, the engine's defaults "
+              f"({section['graphs']}), max_batch {section['max_batch']}, rows of {section['row_tokens']} tokens, the "
+              f"prompt cache off; the dev items in turn; {section['max_new_tokens']} new tokens at most. tok/s: new "
+              "tokens over the wall time from submitting every request to the last one's end (prefills included); "
+              "decode tok/s: each request's own (its tokens after the first over the time after it), averaged.", "",
+              "| requests | distinct items | new tokens | wall s | tok/s | tok/s a stream | x the fewest | "
+              "decode tok/s a request |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = section["runs"]
+    one = rows[min(rows)]["tokens_per_s"]
+    for c, r in rows.items():
+        lines.append(f"| {c} | {r['distinct_items']} | {r['new_tokens']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.1f} "
+                     f"| {r['per_stream_tokens_per_s']:.1f} | {r['tokens_per_s'] / one:.2f} "
+                     f"| {r['decode_tokens_per_s_mean']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -504,9 +791,26 @@ class Check:
     dtype: torch.dtype
     results: dict = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # SmolLM2 by dtype, loaded once for the sections that use it (or why it could not be).
+    models: dict[torch.dtype, tuple[PreTrainedModel, Any, str] | str] = field(default_factory=dict)
+    # generate's compiled calls: torch keeps its CUDA graph trees per thread, so all run on this one.
+    thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
 
     def write(self, name: str, text: str) -> None:
         (self.args.out / name).write_text(text)
+
+    def save(self) -> None:
+        """gpu_check.json as it stands: after every section, so a run cut short keeps what it measured."""
+        (self.args.out / "gpu_check.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def smollm(self, dtype: torch.dtype) -> tuple[PreTrainedModel, Any, str] | str:
+        if dtype not in self.models:
+            self.models[dtype] = load_smollm(self.args.smollm, self.device, dtype)
+        return self.models[dtype]
+
+    def items(self, n: int) -> Callable[[SpeculativeEngine], list[Item]]:
+        """The first `n` dev items per category, tokenized by the engine given."""
+        return lambda engine: load_items(engine, self.args.data, CATEGORIES, n)
 
     def guarded(self, section: str, body: Callable[[], None]) -> None:
         """Run one section; a failure (an out-of-memory 7B, a missing file) is recorded, not fatal."""
@@ -533,7 +837,7 @@ def device_name(device: torch.device) -> str:
 
 
 def section_tests(check: Check) -> None:
-    check.results["tests"] = run_tests(check.device, check.args.quick, check.args.out)
+    check.results["tests"] = run_tests(check.device, check.args.quick, check.args.out, check.args.tests_timeout)
     check.write("tests.md", tests_markdown(check.results["tests"]))
 
 
@@ -556,33 +860,113 @@ def section_forward_and_steps(check: Check) -> None:
             torch.cuda.empty_cache()
 
 
-def section_real_weights(check: Check) -> None:
-    args, section = check.args, {"status": "skipped"}
-    check.results["real_weights"] = section
-    loaded = load_smollm(args.smollm, check.device, check.dtype)
+def smollm_unavailable(check: Check, dtype: torch.dtype) -> str | None:
+    """Why SmolLM2 and the dev items cannot be had, or None."""
+    loaded = check.smollm(dtype)
     if isinstance(loaded, str):
-        section["note"] = f"skipped: {loaded}"
-    elif not args.data.is_file():
-        section["note"] = f"skipped: no dev items at {args.data} (--data)"
+        return f"skipped: {loaded}"
+    return None if check.args.data.is_file() else f"skipped: no dev items at {check.args.data} (--data)"
+
+
+def real_weights(check: Check, dtype: torch.dtype, key: str, n: int, full: bool) -> dict:
+    """The methods on `n` dev items per category in `dtype`, into results[key]; their steps clocked into
+    section 3's table."""
+    section: dict = {"status": "skipped", "dtype": dtype_name(dtype)}
+    check.results[key] = section
+    why_not = smollm_unavailable(check, dtype)
+    if why_not:
+        section["note"] = why_not
+        return section
+    model, tokenizer, source = check.smollm(dtype)
+    max_new = 16 if check.args.quick else check.args.max_new_tokens
+    notes: list[str] = []
+    items, methods, steps = real_weight_methods(model, tokenizer, check.items(n), max_new, notes, full=full,
+                                                thread=check.thread)
+    log(f"real weights ({dtype_name(dtype)}): {source}, {len(items)} items, {max_new} new tokens at most")
+    compiled = compiled_graphs() if "hf-static-compiled" in methods else None
+    runs = real_weight_speed(methods, items, max_new)
+    if compiled is not None and compiled_graphs() > compiled:
+        notes.append(f"hf-static-compiled recompiled inside timed runs: {compiled_graphs() - compiled} graphs more")
+    section.update(status="ran", model=source, max_new_tokens=max_new, notes=notes, runs=runs, table=speed_table(runs))
+    for name, totals in steps.items():
+        row = f"SmolLM2-135M {dtype_name(dtype)}, {name}, dev items"
+        check.results.setdefault("step_overhead", {})[row] = totals.as_dict()
+    check.write("step_overhead.md", step_overhead_markdown(check.results["step_overhead"]))
+    return section
+
+
+def section_real_weights(check: Check) -> None:
+    n = 1 if check.args.quick else check.args.n
+    section = real_weights(check, check.dtype, "real_weights", n, full=True)
+    title = "Real weights: SmolLM2-135M-Instruct on the Spec-Bench dev items"
+    check.write("real_weights.md", real_weights_markdown(section, title))
+
+
+def section_fp32(check: Check) -> None:
+    """Greedy answers in fp32, ours with graphs and without against `generate`'s, where the main run
+    was in another dtype: there a near-tie may round the other way, in fp32 nothing may differ."""
+    title = "Real weights in fp32: ours against generate, token for token"
+    if check.args.fp32_n == 0:
+        section = check.results["real_weights_fp32"] = {"status": "skipped", "note": "skipped: --fp32-n 0"}
+    elif check.dtype == torch.float32:
+        note = "skipped: the real-weights section ran in fp32, its identical counts are this check"
+        section = check.results["real_weights_fp32"] = {"status": "skipped", "note": note}
     else:
-        model, tokenizer, source = loaded
-        n, max_new = (1, 16) if args.quick else (args.n, args.max_new_tokens)
-        engine = SpeculativeEngine(model, tokenizer, NGramTrieDrafter())
-        items = load_items(engine, args.data, CATEGORIES, n)
-        log(f"real weights: {source}, {len(items)} items, {max_new} new tokens at most")
-        skipped = engine.traits.lean_forward.why_not
-        notes = [f"the engine's target forward: the model's own ({skipped})" if skipped else "the engine's target forward: lean"]
-        runs, trie_steps = real_weight_speed(engine, items, max_new, notes)
-        section.update(status="ran", model=source, max_new_tokens=max_new, notes=notes, runs=runs, table=speed_table(runs))
-        check.results.setdefault("step_overhead", {})["SmolLM2-135M, trie, dev items"] = trie_steps.as_dict()
-        check.write("step_overhead.md", step_overhead_markdown(check.results["step_overhead"]))
-    check.write("real_weights.md", real_weights_markdown(section))
+        section = real_weights(check, torch.float32, "real_weights_fp32", check.args.fp32_n, full=False)
+    check.write("real_weights_fp32.md", real_weights_markdown(section, title))
 
 
+def section_graphs(check: Check) -> None:
+    """Section 5, one random-weight model in memory at a time."""
+    quick = check.args.quick
+    archs, contexts = (TINY_ARCHS, [32, 64]) if quick else (ARCHS, [500, 2000])
+    warmup, repeats = (1, 3) if quick else (3, 10)
+    copy_bytes = 2**31 if check.device.type == "cuda" and not quick else 2**24
+    section = check.results["graphs"] = {"cuda": check.device.type == "cuda", "copy_bytes": copy_bytes,
+                                         "bandwidth_bytes_per_s": copy_bandwidth(check.device, copy_bytes), "archs": {}}
+    for arch, shape in archs.items():
+        log(f"graphs: {arch} at random weights on {check.device}")
+        model = random_model(shape, check.device, check.dtype)
+        costs = graph_forward_costs(model, contexts, warmup, repeats)
+        section["archs"][arch] = {"weight_bytes": weight_bytes(model), "contexts": costs}
+        name = check.results["environment"]["device_name"]
+        check.write("forward_graphs.md", graph_forward_markdown(section, check.dtype, name))
+        del model
+        if check.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def section_throughput(check: Check) -> None:
+    args = check.args
+    section: dict = {"status": "skipped", "dtype": dtype_name(check.dtype)}
+    check.results["throughput"] = section
+    why_not = smollm_unavailable(check, check.dtype)
+    if why_not:
+        section["note"] = why_not
+    else:
+        model, tokenizer, source = check.smollm(check.dtype)
+        concurrencies, max_new = ([1, 2], 8) if args.quick else (sorted(args.concurrency), args.max_new_tokens)
+        encoder = SpeculativeEngine(model, tokenizer, NGramTrieDrafter(), max_batch=1, **OURS["ours-trie-eager"])
+        items = check.items(-(-max(concurrencies) // len(CATEGORIES)))(encoder)
+        del encoder
+        row_tokens = max(len(item.prompt_ids) for item in items) + max_new + DEFAULT_DRAFT_BUDGET + 1
+        engine = sized_engine(model, tokenizer, NGramTrieDrafter(), row_tokens, max_batch=max(concurrencies),
+                              prompt_cache_bytes=0)
+        section.update(status="ran", model=source, max_batch=max(concurrencies), row_tokens=row_tokens,
+                       max_new_tokens=max_new, graphs=graphs_said(engine.stats()))
+        section["runs"] = throughput(engine, items, concurrencies, max_new)
+    check.write("throughput.md", throughput_markdown(section))
+
+
+# Run in this order: the newest measurements first, so that a run cut short (a machine's time limit)
+# has them; the tests last, bounded by --tests-timeout.
 SECTIONS: dict[str, tuple[str, Callable[[Check], None]]] = {
-    "tests": ("tests", section_tests),
-    "forward": ("forward cost / step overhead", section_forward_and_steps),
     "real": ("real weights", section_real_weights),
+    "fp32": ("real weights in fp32", section_fp32),
+    "graphs": ("forward cost, eager against CUDA graphs", section_graphs),
+    "batch": ("throughput", section_throughput),
+    "forward": ("forward cost / step overhead", section_forward_and_steps),
+    "tests": ("tests", section_tests),
 }
 
 
@@ -604,15 +988,39 @@ def summary(check: Check) -> list[str]:
     for name, s in r.get("step_overhead", {}).items():
         lines.append(f"step overhead {name}: {s['overhead_ms_per_step']:.2f} ms/step outside the forward "
                      f"(forward {s['forward_ms_per_step']:.2f} ms, {s['tokens_per_step']:.2f} tokens/step)")
-    real = r.get("real_weights", {})
-    if real.get("status") == "ran":
-        lines.append("real weights (decode speed-up vs hf-greedy, outputs identical to its): " + ", ".join(
-            f"{m} {g['all']['speedup']:.2f}x {g['all']['identical']}/{g['all']['items']}" for m, g in real["table"].items()))
-        lines += [f"  {note}" for note in real["notes"] if "skipped" in note or "forward" in note]
-    elif real:
-        lines.append(f"real weights: {real.get('note', 'failed')}")
+    for key in ("real_weights", "real_weights_fp32"):
+        real = r.get(key, {})
+        if real.get("status") == "ran":
+            parts = [f"{m} {g['speedup']:.2f}x" + (f" [{g['vs_compiled']:.2f}x]" if "vs_compiled" in g else "")
+                     + f" {g['identical']}/{g['items']}" for m, g in ((m, t["all"]) for m, t in real["table"].items())]
+            lines.append(f"{key.replace('_', ' ')} ({real['dtype']}; decode speed-up vs hf-greedy "
+                         "[vs hf-static-compiled], outputs identical to its): " + ", ".join(parts))
+            lines += [f"  {note}" for note in real["notes"]
+                      if any(word in note for word in ("skipped", "forward", "recompiled"))]
+        elif real:
+            lines.append(f"{key.replace('_', ' ')}: {real.get('note', 'failed')}")
+    for arch, a in r.get("graphs", {}).get("archs", {}).items():
+        floor = a["weight_bytes"] / r["graphs"]["bandwidth_bytes_per_s"]
+        for c, m in a["contexts"].items():
+            graphs = m["graphs"]
+            said = "no CUDA graphs"
+            if graphs:
+                said = f"graphs {graphs[1] * 1e3:.2f} ms, graphs t(64)/t(1) {graphs[64] / graphs[1]:.2f}"
+            lines.append(f"fixed-shape step {arch}, ctx {c}: t(1) eager {m['eager'][1] * 1e3:.2f} ms, {said}; "
+                         f"weight-read floor {floor * 1e3:.3f} ms")
+    batch = r.get("throughput", {})
+    if batch.get("status") == "ran":
+        one = batch["runs"][min(batch["runs"])]["tokens_per_s"]
+        lines.append(f"throughput ({batch['graphs']}): " + ", ".join(
+            f"{c} at once {t['tokens_per_s']:.1f} tok/s ({t['tokens_per_s'] / one:.2f}x)"
+            for c, t in batch["runs"].items()
+        ))
+    elif batch:
+        lines.append(f"throughput: {batch.get('note', 'failed')}")
     lines += [f"ERROR in {e}" for e in check.errors]
-    lines.append(f"results: {check.args.out}/ (tests.md, forward_cost.md, step_overhead.md, real_weights.md, gpu_check.json)")
+    lines.append("elapsed: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in r.get("elapsed_s", {}).items()))
+    lines.append(f"results: {check.args.out}/ (tests.md, forward_cost.md, step_overhead.md, real_weights.md, "
+                 "real_weights_fp32.md, forward_graphs.md, throughput.md, gpu_check.json)")
     return lines
 
 
@@ -620,10 +1028,13 @@ def failed(check: Check) -> bool:
     """A crashed section, a test run that did not pass, or, in fp32, any output of ours that differs
     from greedy's (in bf16 a near-tie may round the other way, docs/design.md "Dtype", so there it is
     reported, not failed; transformers' prompt lookup is reported, never failed: not our code)."""
-    tests, real = check.results.get("tests", {}), check.results.get("real_weights", {})
-    ours = {m: g for m, g in real.get("table", {}).items() if m.startswith("ours")}
-    differs = any(g["all"]["identical"] < g["all"]["items"] for g in ours.values())
-    return bool(check.errors or tests.get("returncode") or (differs and check.dtype == torch.float32))
+    tests = check.results.get("tests", {})
+    fp32 = [check.results.get("real_weights_fp32", {})]
+    if check.dtype == torch.float32:
+        fp32.append(check.results.get("real_weights", {}))
+    differs = any(g["all"]["identical"] < g["all"]["items"]
+                  for section in fp32 for m, g in section.get("table", {}).items() if m.startswith("ours"))
+    return bool(check.errors or tests.get("returncode") or differs)
 
 
 def parse_args() -> argparse.Namespace:
@@ -631,13 +1042,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--quick", action="store_true", help="tiny models, the fast tests, 1 item per category, 16 new tokens")
-    parser.add_argument("--sections", nargs="+", choices=sorted(SECTIONS), default=list(SECTIONS),
-                        help="which to run (default all): tests, forward (sections 2 and 3), real (section 4)")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                        help="which to run, in this order (default all): real, fp32 (section 4), graphs (5), "
+                             "batch (6), forward (2 and 3), tests (1)")
     parser.add_argument("--smollm", type=Path, default=None,
                         help="a SmolLM2-135M-Instruct folder (config.json, tokenizer, safetensors) or its GGUF file")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--n", type=int, default=4, help="dev items per category (rag, summarization, qa)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--n", type=int, default=2, help="dev items per category (rag, summarization, qa)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--fp32-n", type=int, default=1,
+                        help="dev items per category of the fp32 identity check, where --dtype is not fp32 (0: none)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="requests run together (section 6)")
+    parser.add_argument("--tests-timeout", type=int, default=300,
+                        help="seconds the tests may take before they are killed")
     parser.add_argument("--out", type=Path, default=Path("gpu_check_results"))
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="keep torch's SDPA off cuDNN attention (torch.backends.cuda.enable_cudnn_sdp(False)), "
@@ -661,10 +1079,15 @@ def main() -> int:
     }
     for name in [name for name in SECTIONS if name in args.sections]:
         title, run = SECTIONS[name]
+        started = time.perf_counter()
         check.guarded(title, lambda: run(check))
+        elapsed = check.results.setdefault("elapsed_s", {})[name] = time.perf_counter() - started
+        log(f"{title}: {elapsed:.0f} s")
+        check.save()
+    check.thread.shutdown()
     lines = summary(check)
     check.results["summary"] = lines
-    (args.out / "gpu_check.json").write_text(json.dumps(check.results, indent=1, default=str))
+    check.save()
     print("\n".join(lines), flush=True)
     return 1 if failed(check) else 0
 

@@ -13,7 +13,8 @@ import pytest
 from packaged_fixtures import MODEL, installed
 
 REPO = Path(__file__).resolve().parents[2]
-TABLES = ("tests.md", "forward_cost.md", "step_overhead.md", "real_weights.md")
+TABLES = ("tests.md", "forward_cost.md", "step_overhead.md", "real_weights.md", "real_weights_fp32.md", "forward_graphs.md",
+          "throughput.md")
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +81,42 @@ def test_real_weight_outputs_are_identical_to_greedy(quick_run):
     assert "identical" in (out / "real_weights.md").read_text()
 
 
-def test_pytest_counts_read_pytests_last_line(monkeypatch):
+@pytest.fixture
+def gpu_check(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up there
-    spec.loader.exec_module(gpu_check)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pytest_counts_read_pytests_last_line(gpu_check):
     stdout = "..F.s\nFAILED tests/test_x.py::test_passed_before - assert 1 passed\n1 failed, 12 passed, 2 skipped, 1 xfailed, 1 error, 3 deselected in 4.2s\n"
     assert gpu_check.pytest_counts(stdout) == {"passed": 12, "failed": 1, "skipped": 2, "errors": 1, "deselected": 3}
+
+
+def test_speed_table_gives_each_method_its_ratio_to_each_peer(gpu_check):
+    def rows(tokens_per_s: list[float], identical: list[bool]) -> list[dict]:
+        return [{"category": category, "decode_s": 1.0, "decode_tokens": rate, "identical": same}
+                for category, rate, same in zip(("qa", "rag"), tokens_per_s, identical)]
+
+    table = gpu_check.speed_table({"hf-greedy": rows([10, 20], [True, True]),
+                                   "hf-static-compiled": rows([40, 40], [True, False]),
+                                   "ours-trie": rows([20, 80], [True, True])})
+    ours = table["ours-trie"]
+    assert ours["qa"]["speedup"] == 2.0 and ours["rag"]["vs_compiled"] == 2.0
+    assert ours["all"]["decode_tokens_per_s"] == 50.0
+    assert ours["all"]["speedup"] == 50 / 15 and ours["all"]["vs_compiled"] == 50 / 40
+    assert table["hf-static-compiled"]["all"]["identical"] == 1
+    # Without the compiled peer (a CPU run), no ratio to it.
+    assert "vs_compiled" not in gpu_check.speed_table({"hf-greedy": rows([10, 20], [True, True])})["hf-greedy"]["all"]
+
+
+def test_graph_forward_table_marks_graphs_absent_off_cuda(gpu_check):
+    contexts = {32: {"capacity": 64, "eager": {1: 0.002, 2: 0.004}, "graphs": None, "graph_count": 0, "graph_bytes": 0}}
+    section = {"cuda": False, "copy_bytes": 2**24, "bandwidth_bytes_per_s": 1e9,
+               "archs": {"tiny": {"weight_bytes": 10**6, "contexts": contexts}}}
+    table = gpu_check.graph_forward_markdown(section, gpu_check.torch.float32, "a CPU")
+    assert "CUDA graphs: not on this device" in table
+    # q 2: eager 4 ms, twice t(1), four times the 1 ms floor (1 MB at 1 GB/s); no graph columns.
+    assert "| 2 | 0.00400 | - | - | 2.00 | 4.0 |" in table
