@@ -13,14 +13,17 @@
  * then multiply the pair sums as 16-bit integers, as llama.cpp's kernels do).
  *
  * The invariant: y[m][n] is the same sequence of operations on the same inputs, whatever M and
- * whatever rows sit beside m. Its two vector accumulators take super-blocks s = 0, 1, 2, ... in order,
- * each an fma of the super-block's integer lanes (as fp32) by the product of its two scales; then
- * the lanes are summed in a fixed pattern, then the bias, rounded once. Tiling, blocking and
- * threading only choose which outputs are computed together, never how one is summed. A prefill's
- * many rows run the same tiles as a decoding step's one; only the cache blocking changes.
+ * whatever rows sit beside m. Per super-block, s = 0, 1, 2, ... in order, its two integer sums (exact,
+ * however they were summed) each meet their scales' product in one fma on an accumulator of their
+ * own (`add_super`); then the two accumulators are added, then the bias. Tiling, blocking, threading
+ * and the path taken only choose which outputs are computed together, never how one is summed.
  *
- * AVX2: 8 lanes, two `maddubs` and two `madd` per 64 values; AVX-512: 16 lanes, one `maddubs` per 64
- * values and, with VNNI, one `vpdpwssd` that scales and adds the pair sums.
+ * Two paths. Few rows (decoding, a draft tree) are bound by reading the weights: a tile holds 2 to 4
+ * weight rows against up to 4 rows of x, its integer lanes summed to one integer per output and
+ * super-block (AVX2: two `maddubs` and two `madd` per 64 values; AVX-512: one `maddubs` and, with VNNI,
+ * one `vpdpwssd` that scales and adds the pair sums). Many rows (a prefill, AVX-512) are bound by the
+ * arithmetic: there a vector's 16 lanes are 16 rows of x, so one `vpdpbusd` makes 64 products and
+ * the per-super-block scaling serves 16 outputs an instruction (`gemm_tile`).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -33,42 +36,33 @@
 #define CHUNK 64     /* values per 32 bytes of packed weights */
 #define MAX_SUBS 8   /* sub-blocks per super-block, at most (256 values) */
 #define BLOCK_M 192  /* rows of x per cache block */
-#define FEW_ROWS 64  /* rows of x up to which a tile runs over the whole of k */
-#define CHUNK_K 2048 /* values of k per pass for more rows: a block of weight rows stays in L2 */
+#define CHUNK_K 2048 /* values of k per pass for many rows: a block of weight rows stays in L2 */
+#define BLOCK_N 64   /* weight rows per cache block */
 
 #ifdef __AVX512F__
 #define W_ROWS 4
 #define X_ROWS 4
-#define BLOCK_N 64
+#define FEW_ROWS 4 /* rows of x up to which the tiles below run; more take the lanes-as-rows product */
 typedef __m512i ivec;
-typedef __m512 fvec;
-#define fzero() _mm512_setzero_ps()
 #define izero() _mm512_setzero_si512()
-#define fsum(v) _mm512_reduce_add_ps(v)
 /* The sub-blocks' scales (8 int16 in a 128-bit lane) in every 128-bit lane. */
 #define spread(s128) _mm512_broadcast_i32x4(s128)
+/* Integer products summed into 32-bit lanes: 4 unsigned by signed bytes, or 2 16-bit pairs. */
+#ifdef __AVX512VNNI__
+#define dot4(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define dot2(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define dot4(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)))
+#define dot2(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
 #else
 #define W_ROWS 2
 #define X_ROWS 3
-#define BLOCK_N 64
+#define FEW_ROWS 64 /* rows of x up to which a tile runs over the whole of k */
 typedef __m256i ivec;
-typedef __m256 fvec;
-#define fzero() _mm256_setzero_ps()
 #define izero() _mm256_setzero_si256()
-static inline float fsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
 #define spread(s128) _mm256_broadcastsi128_si256(s128)
 #endif
-
-static inline float fsum4(__m128 v) {
-    v = _mm_hadd_ps(v, v);
-    v = _mm_hadd_ps(v, v);
-    return _mm_cvtss_f32(v);
-}
 
 typedef struct {
     const uint8_t *qs;  /* N x K/2 */
@@ -102,11 +96,33 @@ static inline __m128i sub_bytes(const weights *W, int64_t b) {
     return _mm_loadu_si128((const __m128i *)tail);
 }
 
-/* m rows of x (from i0) against r weight rows (from n) over super-blocks [s0, s1), adding to the
- * accumulators `acc` and `accm` (r x X_ROWS of each, kept between calls, in memory: the registers go to
- * the integer lanes); m and r are constants in each instance, so the loops unroll. */
-static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, fvec *acc,
-                                                       __m128 *accm, const int m, const int r, int64_t s0, int64_t s1) {
+/* An output's super-block, from its two exact integer sums: the lanes' by d dx, the minimums' by o dx,
+ * each added to its own accumulator with one fma. Both paths below end every super-block here (or
+ * in these same operations on vector lanes), so an output's bits do not depend on the path. */
+static inline void add_super(float *acc, float *accm, int32_t sum, int32_t mins, float d, float o, float dx) {
+    *acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)sum), _mm_mul_ss(_mm_set_ss(d), _mm_set_ss(dx)), _mm_set_ss(*acc)));
+    *accm = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)mins), _mm_mul_ss(_mm_set_ss(o), _mm_set_ss(dx)), _mm_set_ss(*accm)));
+}
+
+static inline int32_t hsum4_epi32(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+#ifdef __AVX512F__
+#define isum(v) _mm512_reduce_add_epi32(v)
+#else
+static inline int32_t isum(__m256i v) {
+    return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+#endif
+
+/* Few rows (decoding, a draft tree): m rows of x (from i0) against r weight rows (from n) over
+ * super-blocks [s0, s1), adding to the accumulators `acc` and `accm` (r x X_ROWS of each, kept between
+ * calls); m and r are constants in each instance, so the loops unroll. A super-block's products sum
+ * in integer lanes, then to one integer each (`add_super`). */
+static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, float *acc,
+                                                       float *accm, const int m, const int r, int64_t s0, int64_t s1) {
     const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK;
     const __m256i nibble = _mm256_set1_epi8(15);
     for (int64_t s = s0; s < s1; s++) {
@@ -136,14 +152,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
             }
             for (int i = 0; i < m; i++) {
                 const __m512i x = _mm512_loadu_si512(A->q + (i0 + i) * K + at);
-                for (int j = 0; j < r; j++) {
-                    const __m512i p = _mm512_maddubs_epi16(w[j], x);
-#ifdef __AVX512VNNI__
-                    lanes[j][i] = _mm512_dpwssd_epi32(lanes[j][i], p, sc[j]);
-#else
-                    lanes[j][i] = _mm512_add_epi32(lanes[j][i], _mm512_madd_epi16(p, sc[j]));
-#endif
-                }
+                for (int j = 0; j < r; j++) lanes[j][i] = dot2(lanes[j][i], _mm512_maddubs_epi16(w[j], x), sc[j]);
             }
 #else
             const __m256i ctrl_lo = _mm256_broadcastsi128_si256(pick(2 * c)), ctrl_hi = _mm256_broadcastsi128_si256(pick(2 * c + 1));
@@ -166,41 +175,26 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
             }
 #endif
         }
-        /* The super-block's scales, once: the lanes by d dx, the minimums' sum by o dx (each product
-         * one fp32 rounding, whether of broadcasts or of scalars). */
-        __m128 dx[X_ROWS];
-        __m128i sums[X_ROWS];
-        for (int i = 0; i < m; i++) {
-            dx[i] = _mm_set1_ps(A->d[(i0 + i) * supers + s]);
-            sums[i] = _mm_loadu_si128((const __m128i *)(A->sums + ((i0 + i) * supers + s) * MAX_SUBS));
-        }
         for (int j = 0; j < r; j++) {
-            const __m128 d = _mm_set1_ps(W->d[(n + j) * supers + s]), o = _mm_set1_ps(W->o[(n + j) * supers + s]);
+            const float d = W->d[(n + j) * supers + s], o = W->o[(n + j) * supers + s];
             const __m128i mins = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
             for (int i = 0; i < m; i++) {
-                fvec *a = acc + j * X_ROWS + i;
-                __m128 *am = accm + j * X_ROWS + i;
-#ifdef __AVX512F__
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[j][i]), _mm512_broadcastss_ps(_mm_mul_ps(d, dx[i])), *a);
-#else
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[j][i]), _mm256_broadcastss_ps(_mm_mul_ps(d, dx[i])), *a);
-#endif
-                *am = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, sums[i])), _mm_mul_ps(o, dx[i]), *am);
+                const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + ((i0 + i) * supers + s) * MAX_SUBS));
+                add_super(acc + j * X_ROWS + i, accm + j * X_ROWS + i, isum(lanes[j][i]), hsum4_epi32(_mm_madd_epi16(mins, sums)), d, o,
+                          A->d[(i0 + i) * supers + s]);
             }
         }
     }
 }
 
-#define TILES(m)                                                                                                          \
-    static void full_##m(const acts *A, int64_t i0, const weights *W, int64_t n, fvec *acc, __m128 *accm, int64_t s0,     \
-                         int64_t s1) {                                                                                    \
-        tile(A, i0, W, n, acc, accm, m, W_ROWS, s0, s1);                                                                  \
-    }                                                                                                                     \
-    static void single_##m(const acts *A, int64_t i0, const weights *W, int64_t n, fvec *acc, __m128 *accm, int64_t s0,   \
-                           int64_t s1) {                                                                                  \
-        tile(A, i0, W, n, acc, accm, m, 1, s0, s1);                                                                       \
+#define TILES(m)                                                                                                           \
+    static void full_##m(const acts *A, int64_t i0, const weights *W, int64_t n, float *acc, float *accm, int64_t s0, int64_t s1) { \
+        tile(A, i0, W, n, acc, accm, m, W_ROWS, s0, s1);                                                                   \
+    }                                                                                                                      \
+    static void single_##m(const acts *A, int64_t i0, const weights *W, int64_t n, float *acc, float *accm, int64_t s0, int64_t s1) { \
+        tile(A, i0, W, n, acc, accm, m, 1, s0, s1);                                                                        \
     }
-typedef void (*tile_fn)(const acts *, int64_t, const weights *, int64_t, fvec *, __m128 *, int64_t, int64_t);
+typedef void (*tile_fn)(const acts *, int64_t, const weights *, int64_t, float *, float *, int64_t, int64_t);
 TILES(1) TILES(2) TILES(3)
 #if X_ROWS == 4
 TILES(4)
@@ -239,10 +233,7 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
                 _mm256_storeu_si256((__m256i *)(q + b * SUB), v);
                 /* 32 values of at most 127 sum within int16. */
                 const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
-                sums[b] = (int16_t)_mm_cvtsi128_si32(t);
+                sums[b] = (int16_t)hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1)));
             }
         }
 }
@@ -253,18 +244,16 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     const int64_t M = J->M, N = J->N, supers = J->W.supers;
     /* Up to FEW_ROWS rows (decoding, a draft tree) are bound by reading the weights: each tile runs
      * over the whole of k, so a block of weight rows is read from memory once while every tile of
-     * rows passes it in the caches. More rows (a prefill) take k a chunk at a time. */
+     * rows passes it in the caches. More rows take k a chunk at a time. */
     const int64_t chunk = M <= FEW_ROWS ? supers : (CHUNK_K / J->W.size > 0 ? CHUNK_K / J->W.size : 1);
     const int64_t blocks = (N + BLOCK_N - 1) / BLOCK_N;
     const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
-    fvec *accs = aligned_alloc(64, sizeof(fvec) * tiles_m * BLOCK_N * X_ROWS);
-    __m128 *accms = aligned_alloc(64, sizeof(__m128) * tiles_m * BLOCK_N * X_ROWS);
+    float *accs = malloc(sizeof(float) * tiles_m * BLOCK_N * X_ROWS * 2), *accms = accs + tiles_m * BLOCK_N * X_ROWS;
     for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
         const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
         for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
             const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
-            for (int64_t t = 0; t < (m_end - m_block + X_ROWS - 1) / X_ROWS * BLOCK_N * X_ROWS; t++)
-                accs[t] = fzero(), accms[t] = _mm_setzero_ps();
+            memset(accs, 0, sizeof(float) * tiles_m * BLOCK_N * X_ROWS * 2);
             for (int64_t s0 = 0; s0 < supers; s0 += chunk) {
                 const int64_t s1 = s0 + chunk < supers ? s0 + chunk : supers;
                 for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
@@ -284,14 +273,137 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
                 for (int64_t n = n_start; n < n_end; n++)
                     for (int i = 0; i < m; i++) {
                         const int64_t at = base + (n - n_start) * X_ROWS + i;
-                        J->out[(m0 + i) * N + n] = fsum(accs[at]) + fsum4(accms[at]) + (J->bias ? J->bias[n] : 0.0f);
+                        J->out[(m0 + i) * N + n] = accs[at] + accms[at] + (J->bias ? J->bias[n] : 0.0f);
                     }
             }
         }
     }
-    free(accms);
     free(accs);
 }
+
+#ifdef __AVX512F__
+/* Many rows (a prefill): each vector's 16 lanes are 16 rows of x, so a super-block's scaling serves 16
+ * outputs an instruction. x is interleaved by groups of 16 rows, 4 values of each row in turn (`xi`),
+ * and a weight row's 4 values, broadcast, meet them in one `vpdpbusd` (64 products); each lane runs
+ * `add_super`'s operations on its own row. */
+#define GROUP 16     /* rows of x in a vector's lanes */
+#define G_ROWS 4     /* weight rows per tile */
+#define BLOCK_NG 32  /* weight rows unpacked to a byte a value at a time */
+
+/* Rows of x in groups of GROUP: values interleaved (group, k / 4, row, 4 bytes), and per super-block the
+ * rows' scales and, per pair of sub-blocks, their sums as 16-bit halves of one lane. */
+typedef struct {
+    int8_t *xi;
+    float *d;
+    int32_t *sums;
+    int64_t groups;
+} lanes_x;
+
+typedef struct {
+    const job *J;
+    lanes_x L;
+} gemm_job;
+
+static void interleave_part(void *ctx, int64_t part, int64_t parts) {
+    const gemm_job *G = ctx;
+    const job *J = G->J;
+    const int64_t K = J->W.K, supers = J->W.supers, pairs = J->W.subs / 2;
+    for (int64_t g = G->L.groups * part / parts; g < G->L.groups * (part + 1) / parts; g++)
+        for (int l = 0; l < GROUP; l++) {
+            const int64_t row = g * GROUP + l;
+            int32_t *xi = (int32_t *)(G->L.xi + g * K * GROUP) + l;
+            if (row >= J->M) { /* padding: rows of zeros, whose lanes nothing reads */
+                for (int64_t t = 0; t < K / 4; t++) xi[t * GROUP] = 0;
+                for (int64_t s = 0; s < supers; s++) {
+                    G->L.d[(g * supers + s) * GROUP + l] = 0.0f;
+                    for (int64_t p = 0; p < pairs; p++) G->L.sums[((g * supers + s) * pairs + p) * GROUP + l] = 0;
+                }
+                continue;
+            }
+            const int32_t *q = (const int32_t *)(J->A.q + row * K);
+            for (int64_t t = 0; t < K / 4; t++) xi[t * GROUP] = q[t];
+            for (int64_t s = 0; s < supers; s++) {
+                G->L.d[(g * supers + s) * GROUP + l] = J->A.d[row * supers + s];
+                const int16_t *b = J->A.sums + (row * supers + s) * MAX_SUBS;
+                for (int64_t p = 0; p < pairs; p++)
+                    G->L.sums[((g * supers + s) * pairs + p) * GROUP + l] = (int32_t)((uint32_t)(uint16_t)b[2 * p] | ((uint32_t)(uint16_t)b[2 * p + 1] << 16));
+            }
+        }
+}
+
+/* Group g of x against r weight rows from n (their values a byte each in `wu`, K apart) over all of k. */
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu, const int r) {
+    const job *J = G->J;
+    const weights *W = &J->W;
+    const int64_t K = W->K, S = W->size, supers = W->supers, subs = W->subs, pairs = subs / 2;
+    const __m512i *xg = (const __m512i *)(G->L.xi + g * K * GROUP);
+    __m512 acc[G_ROWS], accm[G_ROWS];
+    for (int j = 0; j < r; j++) acc[j] = _mm512_setzero_ps(), accm[j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        __m512i total[G_ROWS], mins[G_ROWS];
+        const uint8_t *sub[G_ROWS];
+        for (int j = 0; j < r; j++) total[j] = mins[j] = _mm512_setzero_si512(), sub[j] = W->sub + ((n + j) * supers + s) * 2 * subs;
+        for (int64_t b = 0; b < subs; b++) {
+            __m512i part[G_ROWS];
+            for (int j = 0; j < r; j++) part[j] = _mm512_setzero_si512();
+            const int64_t k0 = s * S + b * SUB;
+            for (int t = 0; t < SUB / 4; t++) {
+                const __m512i x = _mm512_load_si512(xg + k0 / 4 + t);
+                for (int j = 0; j < r; j++) {
+                    int32_t w;
+                    memcpy(&w, wu + j * K + k0 + 4 * t, sizeof w);
+                    part[j] = dot4(part[j], _mm512_set1_epi32(w), x);
+                }
+            }
+            for (int j = 0; j < r; j++) total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(part[j], _mm512_set1_epi32(sub[j][b])));
+        }
+        for (int64_t p = 0; p < pairs; p++) {
+            const __m512i sums = _mm512_load_si512((const __m512i *)(G->L.sums + ((g * supers + s) * pairs + p) * GROUP));
+            for (int j = 0; j < r; j++)
+                mins[j] = dot2(mins[j], sums, _mm512_set1_epi32(sub[j][subs + 2 * p] | (sub[j][subs + 2 * p + 1] << 16)));
+        }
+        const __m512 dx = _mm512_load_ps(G->L.d + (g * supers + s) * GROUP);
+        for (int j = 0; j < r; j++) {
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_set1_ps(W->d[(n + j) * supers + s]), dx), acc[j]);
+            accm[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[j]), _mm512_mul_ps(_mm512_set1_ps(W->o[(n + j) * supers + s]), dx), accm[j]);
+        }
+    }
+    for (int j = 0; j < r; j++) {
+        float y[GROUP];
+        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_add_ps(acc[j], accm[j]), _mm512_set1_ps(J->bias ? J->bias[n + j] : 0.0f)));
+        for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) J->out[(g * GROUP + l) * J->N + n + j] = y[l];
+    }
+}
+
+static void gemm_full(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, G_ROWS); }
+static void gemm_single(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, 1); }
+
+/* Part `part` of `parts`: its share of the blocks of BLOCK_NG weight rows, unpacked a byte a value
+ * once, against every group of x. */
+static void gemm_part(void *ctx, int64_t part, int64_t parts) {
+    const gemm_job *G = ctx;
+    const job *J = G->J;
+    const int64_t K = J->W.K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    uint8_t *wu = aligned_alloc(64, BLOCK_NG * K);
+    for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
+        const int64_t n0 = nb * BLOCK_NG, n1 = n0 + BLOCK_NG < N ? n0 + BLOCK_NG : N;
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t at = 0; at < K; at += CHUNK) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(J->W.qs + n * (K / 2) + at / 2));
+                _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at), _mm256_and_si256(raw, nibble));
+                _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
+            }
+        for (int64_t g = 0; g < G->L.groups; g++)
+            for (int64_t n = n0; n < n1;) {
+                const int full = n + G_ROWS <= n1;
+                (full ? gemm_full : gemm_single)(G, g, n, wu + (n - n0) * K);
+                n += full ? G_ROWS : 1;
+            }
+    }
+    free(wu);
+}
+#endif
 
 /* x: M x K fp32, qs: N x K/2, sub: N x supers x 2 (K / 32 per row) bytes, d and o: N x supers, bias:
  * N or NULL, out: M x N; super-blocks of `size` values (64, 128 or 256), K a multiple of it. */
@@ -307,7 +419,20 @@ void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const floa
     J.A.d = malloc(sizeof(float) * M * J.W.supers);
     J.A.sums = malloc(sizeof(int16_t) * M * J.W.supers * MAX_SUBS);
     pool_run(quantize_part, &J, M < threads ? M : threads);
-    pool_run(multiply_part, &J, threads);
+#ifdef __AVX512F__
+    if (M > FEW_ROWS) {
+        gemm_job G = {.J = &J, .L = {.groups = (M + GROUP - 1) / GROUP}};
+        G.L.xi = aligned_alloc(64, G.L.groups * GROUP * K);
+        G.L.d = aligned_alloc(64, sizeof(float) * G.L.groups * J.W.supers * GROUP);
+        G.L.sums = aligned_alloc(64, sizeof(int32_t) * G.L.groups * J.W.supers * (J.W.subs / 2) * GROUP);
+        pool_run(interleave_part, &G, G.L.groups < threads ? G.L.groups : threads);
+        pool_run(gemm_part, &G, threads);
+        free(G.L.xi);
+        free(G.L.d);
+        free(G.L.sums);
+    } else
+#endif
+        pool_run(multiply_part, &J, threads);
     free(J.A.q);
     free(J.A.d);
     free(J.A.sums);
