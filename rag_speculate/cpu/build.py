@@ -46,6 +46,13 @@ def library_path(source_path: Path, flags: list[str], stem: str, compiler: str) 
     return kernels_dir() / f"{stem}-{digest}.so"
 
 
+@functools.cache
+def sources_digest() -> str:
+    """A digest of every kernel's C source and header here: what a measured speed depends on."""
+    sources = sorted(p for p in _POOL.parent.iterdir() if p.suffix in (".c", ".h"))
+    return hashlib.sha256(b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sources)).hexdigest()[:16]
+
+
 def trusted(path: Path) -> str:
     """Why the file at `path` must not be loaded, or "" when it may: a regular file (not a link) owned
     by this user, writable by nobody else."""

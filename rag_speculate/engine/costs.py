@@ -1,8 +1,8 @@
 """The target's forward cost by tokens fed, timed once per model and machine and kept on disk.
 
 Timing a curve costs a few seconds, so it is saved under the cache folder keyed by everything the
-cost depends on: the model's shapes, dtype and device, what computes its linear layers, the traits
-that pick its forward, the chip, torch and the threads.
+cost depends on: the model's shapes, dtype and device, what computes its linear layers (and the CPU
+kernels' code), the traits that pick its forward, the chip, torch and the threads.
 """
 
 from __future__ import annotations
@@ -52,13 +52,22 @@ def _linear_kinds(model: torch.nn.Module) -> list[str]:
     return sorted(kinds)
 
 
+def _kernels(traits: ModelTraits) -> str:
+    """The CPU kernels' code where the forwards run them (a change to them changes every cost), else ""."""
+    if not traits.kernels:
+        return ""
+    from ..cpu.build import sources_digest  # only a model on the CPU loads the kernels
+
+    return sources_digest()
+
+
 def _path(model: torch.nn.Module, traits: ModelTraits, longest: int) -> Path:
     config = model.config.to_dict()
     shape = {key: config.get(key) for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                                                "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
     identity = {
         "version": _VERSION, "shape": shape, "dtype": str(traits.dtype), "device": traits.device.type,
-        "linear": _linear_kinds(model), "kernels": bool(traits.kernels), "lean": bool(traits.lean_forward),
+        "linear": _linear_kinds(model), "kernels": _kernels(traits), "lean": bool(traits.lean_forward),
         "tree": bool(traits.tree_attention), "rows": bool(traits.rows), "longest": longest,
         "processor": processor(traits.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
     }  # fmt: skip
