@@ -35,6 +35,8 @@ _Q8_SOURCE = Path(__file__).with_name("linear_q8.c")
 _Q4_SOURCE = Path(__file__).with_name("linear_q4.c")
 # AVX-512 where torch found it (more registers: larger tiles), else AVX2.
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+# The integer kernels' AVX-512 builds use byte and word instructions, and AVX2's beside them.
+_AVX512_INTEGER = ["-mavx512bw", "-mavx512vl", "-mavx2"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Values per 4-bit super-block the kernel takes: Q4_K's 256, or fewer where a layer's inputs need it.
 Q4_SIZES = (256, 128, 64)
@@ -137,12 +139,15 @@ def build_linear(source_path: Path, dtype: torch.dtype, isa: str) -> tuple[ctype
 
 
 def build_linear_q8(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, str]:
-    """`source_path` (`linear_q8.c`, or a version a benchmark compares) compiled for AVX2 (which
-    every CPU the kernels serve has) into the cache unless already there, and loaded; or None and why not."""
+    """`source_path` (`linear_q8.c`, or a version a benchmark compares) compiled for AVX-512 with VNNI
+    where `isa` is "AVX512" and the CPU has VNNI (many rows then take its lanes-as-rows product), else
+    for AVX2, into the cache unless already there, and loaded; or None and why not."""
     reason = isa_unsupported(isa, "the int8 kernel")
     if reason:
         return None, reason
-    lib, reason = compile_kernel(source_path, [*BASE_FLAGS, *ISA_FLAGS["AVX2"]], "linear-q8-avx2", "the int8 kernel")
+    vnni = isa == "AVX512" and "avx512_vnni" in cpu_flags()
+    flags = [*BASE_FLAGS, *ISA_FLAGS["AVX512"], *_AVX512_INTEGER, "-mavx512vnni"] if vnni else [*BASE_FLAGS, *ISA_FLAGS["AVX2"]]
+    lib, reason = compile_kernel(source_path, flags, "linear-q8-avx512-vnni" if vnni else "linear-q8-avx2", "the int8 kernel")
     if lib is not None:
         lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.linear_quantized.restype = None
@@ -158,7 +163,7 @@ def build_linear_q4(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, st
         return None, reason
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
     if isa == "AVX512":
-        flags += ["-mavx512bw", "-mavx512vl", "-mavx2"] + (["-mavx512vnni"] if "avx512_vnni" in cpu_flags() else [])
+        flags += [*_AVX512_INTEGER] + (["-mavx512vnni"] if "avx512_vnni" in cpu_flags() else [])
     vnni = "-vnni" if "-mavx512vnni" in flags else ""
     lib, reason = compile_kernel(source_path, flags, f"linear-q4-{isa.lower()}{vnni}", "the 4-bit kernel")
     if lib is not None:

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "quantize.h"
 
@@ -39,6 +40,15 @@
 #define X16_ROWS 4   /* rows of x per int16 tile: 2 x 4 sums, x's two registers and the products' */
 #define BLOCK_N16 8  /* weight rows widened at a time, a multiple of W_ROWS */
 #define CHUNK16 2048 /* values of k widened at a time, a multiple of every activation block */
+
+/* With AVX-512 VNNI many rows take a product whose 16 lanes are 16 rows of x (`gemm_tile`). Every
+ * output then ends each part of a block (the block, or each half for groups of 16) in one scalar fma
+ * of the part's exact integer sum by its two scales, on whichever path; the AVX2 build keeps a
+ * block's 8 lanes apart until the end (`block_done`). */
+#ifdef __AVX512VNNI__
+#define LANES_AS_ROWS 1
+#define FEW_ROWS_LANES 4 /* rows of x up to which the int8 tiles run there */
+#endif
 
 /* Rows of x quantized: their int8 values (few rows) or the same values widened to int16 (`widen`,
  * many rows), and per block of `units` steps of each row the scale. */
@@ -114,6 +124,41 @@ static inline __m256 weight_scale(const weights *W, int64_t n, int64_t b) {
     return _mm256_set1_ps(s[(b * BLOCK) >> W->group_shift]);
 }
 
+static inline int32_t hsum4_epi32(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* An output's accumulator after a block whose last step is b: its 8 lanes of integer sums `total`
+ * meet x's scale `xd` and the weights'. AVX2: lane by lane, summed at the end. Lanes as rows: in
+ * lane 0 alone, one fma per part of the block (its half for groups of 16), of the part's integer sum. */
+static inline __m256 block_done(__m256 a, __m256i total, const float *xd, const weights *W, int64_t n, int64_t b) {
+#ifdef LANES_AS_ROWS
+    const int32_t lo = hsum4_epi32(_mm256_castsi256_si128(total)), hi = hsum4_epi32(_mm256_extracti128_si256(total, 1));
+    const float *s = W->scale + n * W->groups;
+    const __m128 dx = _mm_set_ss(*xd);
+    __m128 acc = _mm256_castps256_ps128(a);
+    if (W->group_shift == 4) {
+        acc = _mm_fmadd_ss(_mm_set_ss((float)lo), _mm_mul_ss(_mm_set_ss(s[2 * b]), dx), acc);
+        acc = _mm_fmadd_ss(_mm_set_ss((float)hi), _mm_mul_ss(_mm_set_ss(s[2 * b + 1]), dx), acc);
+    } else {
+        acc = _mm_fmadd_ss(_mm_set_ss((float)(lo + hi)), _mm_mul_ss(_mm_set_ss(s[(b * BLOCK) >> W->group_shift]), dx), acc);
+    }
+    return _mm256_castps128_ps256(acc);
+#else
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_broadcast_ss(xd), weight_scale(W, n, b)), a);
+#endif
+}
+
+/* An output from its accumulator. */
+static inline float output(__m256 a) {
+#ifdef LANES_AS_ROWS
+    return _mm256_cvtss_f32(a);
+#else
+    return hsum(a);
+#endif
+}
+
 /* m rows of x against r weight rows over steps [b0, b1) (whole activation blocks), adding to the
  * accumulators `acc` (r x m, kept between calls). The weight's magnitude meets x's value with the
  * weight's sign (maddubs multiplies unsigned by signed bytes): |w| <= 128 and |q| <= 127, so no pair
@@ -137,11 +182,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
             _mm_prefetch((const char *)(next + b * r * BLOCK), _MM_HINT_T1);
             const int8_t *w = W->q + n * K + b * BLOCK;
             __m256i wm[W_ROWS];
-            __m256 ws[W_ROWS];
-            for (int j = 0; j < r; j++) {
-                wm[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(w + j * K)));
-                if (last) ws[j] = weight_scale(W, n + j, b);
-            }
+            for (int j = 0; j < r; j++) wm[j] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(w + j * K)));
             for (int i = 0; i < m; i++) {
                 const __m256i xq = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + b * BLOCK));
                 for (int j = 0; j < r; j++) {
@@ -153,8 +194,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
                         sums[j][i] = total;
                         continue;
                     }
-                    const __m256 xd = _mm256_broadcast_ss(A->d + (i0 + i) * KA + g / units);
-                    a[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(xd, ws[j]), a[j][i]);
+                    a[j][i] = block_done(a[j][i], total, A->d + (i0 + i) * KA + g / units, W, n + j, b);
                 }
             }
         }
@@ -319,13 +359,107 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
                 const __m256 *row_accs = accs + (m0 - m_block) / rows * block_n * rows;
                 for (int64_t n = n_start; n < n_end; n++)
                     for (int i = 0; i < m; i++)
-                        J->out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f);
+                        J->out[(m0 + i) * N + n] = output(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f);
             }
         }
     }
     free(w16);
     free(accs);
 }
+
+#ifdef LANES_AS_ROWS
+/* Many rows: each vector's 16 lanes are 16 rows of x, interleaved 4 values a row (as unsigned bytes,
+ * x + 128), and a weight row's 4 values, broadcast, meet them in one `vpdpbusd` (64 products); a
+ * part's sum is then less 128 times the weights' own sum over it, and each lane runs `block_done`'s
+ * operations on its own row. */
+#define GROUP 16    /* rows of x in a vector's lanes */
+#define G_ROWS 4    /* weight rows per tile */
+#define BLOCK_NG 32 /* weight rows whose sums are taken at a time */
+
+typedef struct {
+    const job *J;
+    uint8_t *xi;     /* groups x K/4 x GROUP x 4 */
+    float *d;        /* groups x blocks x GROUP */
+    int64_t groups, part; /* values a part: a block, or 16 for groups of 16 */
+} gemm_job;
+
+static void interleave_part(void *ctx, int64_t part, int64_t parts) {
+    const gemm_job *G = ctx;
+    const job *J = G->J;
+    const int64_t K = J->K, blocks = K / (BLOCK * J->A.units);
+    for (int64_t g = G->groups * part / parts; g < G->groups * (part + 1) / parts; g++)
+        for (int l = 0; l < GROUP; l++) {
+            const int64_t row = g * GROUP + l;
+            uint8_t *xi = G->xi + g * K * GROUP + 4 * l;
+            for (int64_t t = 0; t < K / 4; t++)
+                for (int e = 0; e < 4; e++) xi[t * 4 * GROUP + e] = row < J->M ? (uint8_t)(J->A.q[row * K + 4 * t + e] + 128) : 128;
+            for (int64_t b = 0; b < blocks; b++) G->d[(g * blocks + b) * GROUP + l] = row < J->M ? J->A.d[row * blocks + b] : 0.0f;
+        }
+}
+
+/* Group g of x against r weight rows from n over all of k; `sums`: the weight rows' sum per part. */
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, int64_t g, int64_t n, const int32_t *sums, const int r) {
+    const job *J = G->J;
+    const weights *W = &J->W;
+    const int64_t K = J->K, size = BLOCK * J->A.units, blocks = K / size, part = G->part, parts = K / part;
+    const __m512i *xg = (const __m512i *)(G->xi + g * K * GROUP);
+    __m512 acc[G_ROWS];
+    for (int j = 0; j < r; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < parts; p++) {
+        const int64_t k0 = p * part;
+        __m512i lanes[G_ROWS];
+        for (int j = 0; j < r; j++) lanes[j] = _mm512_set1_epi32(-128 * sums[j * parts + p]);
+        for (int64_t t = 0; t < part / 4; t++) {
+            const __m512i x = _mm512_load_si512(xg + k0 / 4 + t);
+            for (int j = 0; j < r; j++) {
+                int32_t w;
+                memcpy(&w, W->q + (n + j) * K + k0 + 4 * t, sizeof w);
+                lanes[j] = _mm512_dpbusd_epi32(lanes[j], x, _mm512_set1_epi32(w));
+            }
+        }
+        const __m512 dx = _mm512_load_ps(G->d + (g * blocks + k0 / size) * GROUP);
+        for (int j = 0; j < r; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[j]),
+                                     _mm512_mul_ps(_mm512_set1_ps(W->scale[(n + j) * W->groups + (k0 >> W->group_shift)]), dx), acc[j]);
+    }
+    for (int j = 0; j < r; j++) {
+        float y[GROUP];
+        _mm512_storeu_ps(y, _mm512_add_ps(acc[j], _mm512_set1_ps(J->bias ? J->bias[n + j] : 0.0f)));
+        for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) J->out[(g * GROUP + l) * J->N + n + j] = y[l];
+    }
+}
+
+static void gemm_full(const gemm_job *G, int64_t g, int64_t n, const int32_t *sums) { gemm_tile(G, g, n, sums, G_ROWS); }
+static void gemm_single(const gemm_job *G, int64_t g, int64_t n, const int32_t *sums) { gemm_tile(G, g, n, sums, 1); }
+
+/* Part `part` of `parts`: its share of the blocks of BLOCK_NG weight rows against every group of x. */
+static void gemm_part(void *ctx, int64_t part, int64_t parts) {
+    const gemm_job *G = ctx;
+    const job *J = G->J;
+    const int64_t K = J->K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG, per_row = K / G->part;
+    int32_t *sums = malloc(sizeof(int32_t) * BLOCK_NG * per_row);
+    for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
+        const int64_t n0 = nb * BLOCK_NG, n1 = n0 + BLOCK_NG < N ? n0 + BLOCK_NG : N;
+        /* Each part's sum: the bytes' offsets from -128 summed 16 at a time (`psadbw`), less 128 each. */
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t p = 0; p < per_row; p++) {
+                __m128i total = _mm_setzero_si128();
+                for (int64_t k = p * G->part; k < (p + 1) * G->part; k += 16) {
+                    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(J->W.q + n * K + k)), _mm_set1_epi8((char)0x80));
+                    total = _mm_add_epi64(total, _mm_sad_epu8(v, _mm_setzero_si128()));
+                }
+                sums[(n - n0) * per_row + p] = (int32_t)(_mm_cvtsi128_si64(total) + _mm_extract_epi64(total, 1) - 128 * G->part);
+            }
+        for (int64_t g = 0; g < G->groups; g++)
+            for (int64_t n = n0; n < n1;) {
+                const int full = n + G_ROWS <= n1;
+                (full ? gemm_full : gemm_single)(G, g, n, sums + (n - n0) * per_row);
+                n += full ? G_ROWS : 1;
+            }
+    }
+    free(sums);
+}
+#endif
 
 /* x: M x K fp32 (K a multiple of the activation block), q: N x K int8, scale: N x groups, bias: N or
  * NULL, out: M x N. */
@@ -335,6 +469,23 @@ void linear_quantized(const float *x, const int8_t *q, const float *scale, const
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
              .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
+#ifdef LANES_AS_ROWS
+    if (M > FEW_ROWS_LANES) {
+        J.A.q = malloc(M * K);
+        pool_run(quantize_part, &J, M < threads ? M : threads);
+        const int64_t size = BLOCK * J.A.units;
+        gemm_job G = {.J = &J, .groups = (M + GROUP - 1) / GROUP, .part = group_shift == 4 ? 16 : size};
+        G.xi = aligned_alloc(64, G.groups * GROUP * K);
+        G.d = aligned_alloc(64, sizeof(float) * G.groups * (K / size) * GROUP);
+        pool_run(interleave_part, &G, G.groups < threads ? G.groups : threads);
+        pool_run(gemm_part, &G, threads);
+        free(G.xi);
+        free(G.d);
+        free(J.A.q);
+        free(J.A.d);
+        return;
+    }
+#endif
     if (M <= FEW_ROWS)
         J.A.q = malloc(M * K);
     else

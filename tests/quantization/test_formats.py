@@ -88,14 +88,15 @@ def test_the_4_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_ac
             assert (got.double() - want).abs().max() <= tolerance, (out_features, rows)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [16, 32, 64, 128, 1024])
-def test_the_int8_kernel_multiplies_the_dequantized_weights_by_the_quantized_activations(group, dtype):
+def test_the_int8_kernel_multiplies_the_dequantized_weights_by_the_quantized_activations(group, dtype, isa):
     """An int8 layer computes the dequantized weights times each row's activations quantized per
     block (the group, from 32 to 128 values): the integer products are exact, so it differs from
     that product, taken in float64, by fp32 rounding only. Groups of 16 (GGUF's Q6_K), 32 (Q8_0),
     64, 128 (ours) and one per row; weights of -128 (GGUF allows them) included."""
-    library = built("AVX2", "q8")
+    library = built(isa, "q8")
     generator = torch.Generator().manual_seed(2)
     for out_features, in_features in ((37, 128), (300, 1024)):
         values = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
