@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from .batch import BatchCache, BatchForward, Fed
 from .forward import TreeForward
 from .kv_cache import keep_cache_entries, make_cache, window_holds
+from .static import StaticStep
 from .tree import ROOT, DraftTree
 
 
@@ -142,6 +143,19 @@ def timed_rows(batched: BatchForward) -> Callable[[int], None]:
         # Nothing kept: the next forward writes over the same entries.
         batched(cache, [Fed(row, [1] * q, DraftTree.chain([1] * (q - 1)).fed_parents())])
         _synchronize(batched.device)
+
+    return run
+
+
+def timed_static(step: StaticStep) -> Callable[[int], None]:
+    """`timed_rows` for the fixed-shape step (and its CUDA graphs, where they replay it): q tokens in
+    the bucket a step feeding them runs, one row of q where a row takes them, else as few rows as hold
+    them, over padding (a step's cost does not move with the entries its rows hold: it reads them whole)."""
+
+    def run(q: int) -> None:
+        rows = -(-q // step.tokens)
+        step.padding(step.shape(rows, -(-q // rows)))
+        _synchronize(step.cache.device)
 
     return run
 

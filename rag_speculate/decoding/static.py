@@ -103,8 +103,20 @@ class StaticStep:
     def __call__(self, inputs: Sequence[Fed]) -> list[torch.Tensor]:
         """Logits `[len(tokens), vocab]` per input, in order, as `BatchForward` gives them; views of the
         bucket's output, valid until its next forward."""
-        cache = self.cache
         shape = self.shape(len(inputs), max(len(item.tokens) for item in inputs))
+        logits = self._run(shape, inputs)
+        return [logits[b, : len(item.tokens)] for b, item in enumerate(inputs)]
+
+    @torch.inference_mode()
+    def padding(self, shape: Shape) -> torch.Tensor:
+        """A step of the bucket over padding alone, its buffers written and sent as any step's are: it
+        costs what a step in that bucket costs (every row's whole capacity is read, whatever it holds)
+        and writes only the spare row, so the engine's cost curve times it between steps."""
+        return self._run(shape, [])
+
+    def _run(self, shape: Shape, inputs: Sequence[Fed]) -> torch.Tensor:
+        """The bucket's forward over `inputs`, the rest of it padding; its logits `[rows, tokens, vocab]`."""
+        cache = self.cache
         ints, seen = (buffers.writable() for buffers in self._buffers(shape))
         self._pad(ints, seen)
         for b, item in enumerate(inputs):
@@ -119,8 +131,7 @@ class StaticStep:
             seen["visible"][b, :n, :n] = fed_visibility(item.parents, n)
         for buffers in self._inputs[shape]:
             buffers.send()
-        logits = self.bucket(shape)()
-        return [logits[b, : len(item.tokens)] for b, item in enumerate(inputs)]
+        return self.bucket(shape)()
 
     def bucket(self, shape: Shape) -> Callable[[], torch.Tensor]:
         """The bucket's forward as a step runs it (through `replay`), on its buffers as they stand: all

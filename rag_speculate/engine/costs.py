@@ -2,7 +2,8 @@
 
 Timing a curve costs a few seconds, so it is saved under the cache folder keyed by everything the
 cost depends on: the model's shapes, dtype and device, what computes its linear layers (and the CPU
-kernels' code), the traits that pick its forward, the chip, torch and the threads.
+kernels' code), the traits that pick its forward, the step that verifies (the fixed-shape step, CUDA
+graphs replaying it), the chip, torch and the threads.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ logger = logging.getLogger(__name__)
 _VERSION = 3
 
 
-def cost_curve(model: torch.nn.Module, traits: ModelTraits, timed: Callable[[], Callable[[int], None]], longest: int) -> CostModel:
-    """The curve saved for this model and machine, else timed now through `timed()` (a forward over
-    q tokens, as the engine runs its verifications) up to `longest` tokens and saved."""
-    path = _path(model, traits, longest)
+def cost_curve(
+    model: torch.nn.Module, traits: ModelTraits, timed: Callable[[], Callable[[int], None]], longest: int, step: str
+) -> CostModel:
+    """The curve saved for this model, machine and `step` (what verifies: "growing", "static",
+    "cuda graphs"), else timed now through `timed()` (a forward over q tokens, as the engine runs its
+    verifications) up to `longest` tokens and saved."""
+    path = _path(model, traits, longest, step)
     curve = CostModel.load(path)
     if curve is None:
         curve = CostModel.measure(timed(), longest)
@@ -61,14 +65,14 @@ def _kernels(traits: ModelTraits) -> str:
     return sources_digest()
 
 
-def _path(model: torch.nn.Module, traits: ModelTraits, longest: int) -> Path:
+def _path(model: torch.nn.Module, traits: ModelTraits, longest: int, step: str) -> Path:
     config = model.config.to_dict()
     shape = {key: config.get(key) for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                                                "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
     identity = {
         "version": _VERSION, "shape": shape, "dtype": str(traits.dtype), "device": traits.device.type,
         "linear": _linear_kinds(model), "kernels": _kernels(traits), "lean": bool(traits.lean_forward),
-        "tree": bool(traits.tree_attention), "rows": bool(traits.rows), "longest": longest,
+        "tree": bool(traits.tree_attention), "rows": bool(traits.rows), "step": step, "longest": longest,
         "processor": processor(traits.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
     }  # fmt: skip
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]

@@ -116,8 +116,9 @@ class BatchRunner:
         return self.cache.held_tokens()
 
     def timed(self) -> Callable[[int], None]:
-        """A forward over q tokens of one row, as `verify` runs them, for the cost curve."""
-        return probe.timed_rows(self.forward)
+        """A forward over q tokens of one row, as `verify` runs them (through the fixed-shape step where
+        it verifies), for the cost curve."""
+        return probe.timed_rows(self.forward) if self.step is None else probe.timed_static(self.step)
 
 
 class SequentialRunner:
