@@ -41,10 +41,11 @@
 #define BLOCK_N16 8  /* weight rows widened at a time, a multiple of W_ROWS */
 #define CHUNK16 2048 /* values of k widened at a time, a multiple of every activation block */
 
-/* With AVX-512 VNNI many rows take a product whose 16 lanes are 16 rows of x (`gemm_tile`). Every
- * output then ends each part of a block (the block, or each half for groups of 16) in one scalar fma
- * of the part's exact integer sum by its two scales, on whichever path; the AVX2 build keeps a
- * block's 8 lanes apart until the end (`block_done`). */
+/* With AVX-512 VNNI many rows of a layer in groups of 32 or more take a product whose 16 lanes are
+ * 16 rows of x (`gemm_tile`). Every output of such a layer then ends each block in one scalar fma of
+ * the block's exact integer sum by its two scales, on whichever path; elsewhere (the AVX2 build,
+ * groups of 16) a block's 8 lanes stay apart until the end (`block_done`). Groups of 16 (GGUF's
+ * Q6_K) keep the lanes: a scalar fma per 16 values made their decoding 1.5 times as slow. */
 #ifdef __AVX512VNNI__
 #define LANES_AS_ROWS 1
 #define FEW_ROWS_LANES 4 /* rows of x up to which the int8 tiles run there */
@@ -129,34 +130,31 @@ static inline int32_t hsum4_epi32(__m128i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
-/* An output's accumulator after a block whose last step is b: its 8 lanes of integer sums `total`
- * meet x's scale `xd` and the weights'. AVX2: lane by lane, summed at the end. Lanes as rows: in
- * lane 0 alone, one fma per part of the block (its half for groups of 16), of the part's integer sum. */
-static inline __m256 block_done(__m256 a, __m256i total, const float *xd, const weights *W, int64_t n, int64_t b) {
+/* Whether a layer's outputs sum a block at a time in one scalar (see LANES_AS_ROWS). */
+static inline int scalar_blocks(const weights *W) {
 #ifdef LANES_AS_ROWS
-    const int32_t lo = hsum4_epi32(_mm256_castsi256_si128(total)), hi = hsum4_epi32(_mm256_extracti128_si256(total, 1));
-    const float *s = W->scale + n * W->groups;
-    const __m128 dx = _mm_set_ss(*xd);
-    __m128 acc = _mm256_castps256_ps128(a);
-    if (W->group_shift == 4) {
-        acc = _mm_fmadd_ss(_mm_set_ss((float)lo), _mm_mul_ss(_mm_set_ss(s[2 * b]), dx), acc);
-        acc = _mm_fmadd_ss(_mm_set_ss((float)hi), _mm_mul_ss(_mm_set_ss(s[2 * b + 1]), dx), acc);
-    } else {
-        acc = _mm_fmadd_ss(_mm_set_ss((float)(lo + hi)), _mm_mul_ss(_mm_set_ss(s[(b * BLOCK) >> W->group_shift]), dx), acc);
-    }
-    return _mm256_castps128_ps256(acc);
+    return W->group_shift > 4;
 #else
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_broadcast_ss(xd), weight_scale(W, n, b)), a);
+    (void)W;
+    return 0;
 #endif
 }
 
+/* An output's accumulator after a block whose last step is b: its 8 lanes of integer sums `total`
+ * meet x's scale `xd` and the weights'. Lane by lane, summed at the end; or, for `scalar_blocks`, in
+ * lane 0 alone, one fma of the block's integer sum. */
+static inline __m256 block_done(__m256 a, __m256i total, const float *xd, const weights *W, int64_t n, int64_t b) {
+    if (scalar_blocks(W)) {
+        const int32_t sum = hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1)));
+        const __m128 scales = _mm_mul_ss(_mm_set_ss(W->scale[n * W->groups + ((b * BLOCK) >> W->group_shift)]), _mm_set_ss(*xd));
+        return _mm256_castps128_ps256(_mm_fmadd_ss(_mm_set_ss((float)sum), scales, _mm256_castps256_ps128(a)));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_broadcast_ss(xd), weight_scale(W, n, b)), a);
+}
+
 /* An output from its accumulator. */
-static inline float output(__m256 a) {
-#ifdef LANES_AS_ROWS
-    return _mm256_cvtss_f32(a);
-#else
-    return hsum(a);
-#endif
+static inline float output(__m256 a, const weights *W) {
+    return scalar_blocks(W) ? _mm256_cvtss_f32(a) : hsum(a);
 }
 
 /* m rows of x against r weight rows over steps [b0, b1) (whole activation blocks), adding to the
@@ -359,7 +357,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
                 const __m256 *row_accs = accs + (m0 - m_block) / rows * block_n * rows;
                 for (int64_t n = n_start; n < n_end; n++)
                     for (int i = 0; i < m; i++)
-                        J->out[(m0 + i) * N + n] = output(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f);
+                        J->out[(m0 + i) * N + n] = output(row_accs[(n - n_start) * rows + i], &J->W) + (J->bias ? J->bias[n] : 0.0f);
             }
         }
     }
@@ -368,10 +366,10 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
 }
 
 #ifdef LANES_AS_ROWS
-/* Many rows: each vector's 16 lanes are 16 rows of x, interleaved 4 values a row (as unsigned bytes,
- * x + 128), and a weight row's 4 values, broadcast, meet them in one `vpdpbusd` (64 products); a
- * part's sum is then less 128 times the weights' own sum over it, and each lane runs `block_done`'s
- * operations on its own row. */
+/* Many rows (groups of 32 or more): each vector's 16 lanes are 16 rows of x, interleaved 4 values a row
+ * (as unsigned bytes, x + 128), and a weight row's 4 values, broadcast, meet them in one `vpdpbusd`
+ * (64 products); a block's sum is then less 128 times the weights' own sum over it, and each lane
+ * runs `block_done`'s operations on its own row. */
 #define GROUP 16    /* rows of x in a vector's lanes */
 #define G_ROWS 4    /* weight rows per tile */
 #define BLOCK_NG 32 /* weight rows whose sums are taken at a time */
@@ -380,7 +378,7 @@ typedef struct {
     const job *J;
     uint8_t *xi;     /* groups x K/4 x GROUP x 4 */
     float *d;        /* groups x blocks x GROUP */
-    int64_t groups, part; /* values a part: a block, or 16 for groups of 16 */
+    int64_t groups;
 } gemm_job;
 
 static void interleave_part(void *ctx, int64_t part, int64_t parts) {
@@ -397,19 +395,19 @@ static void interleave_part(void *ctx, int64_t part, int64_t parts) {
         }
 }
 
-/* Group g of x against r weight rows from n over all of k; `sums`: the weight rows' sum per part. */
+/* Group g of x against r weight rows from n over all of k; `sums`: the weight rows' sum per block. */
 static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, int64_t g, int64_t n, const int32_t *sums, const int r) {
     const job *J = G->J;
     const weights *W = &J->W;
-    const int64_t K = J->K, size = BLOCK * J->A.units, blocks = K / size, part = G->part, parts = K / part;
+    const int64_t K = J->K, size = BLOCK * J->A.units, blocks = K / size;
     const __m512i *xg = (const __m512i *)(G->xi + g * K * GROUP);
     __m512 acc[G_ROWS];
     for (int j = 0; j < r; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < parts; p++) {
-        const int64_t k0 = p * part;
+    for (int64_t p = 0; p < blocks; p++) {
+        const int64_t k0 = p * size;
         __m512i lanes[G_ROWS];
-        for (int j = 0; j < r; j++) lanes[j] = _mm512_set1_epi32(-128 * sums[j * parts + p]);
-        for (int64_t t = 0; t < part / 4; t++) {
+        for (int j = 0; j < r; j++) lanes[j] = _mm512_set1_epi32(-128 * sums[j * blocks + p]);
+        for (int64_t t = 0; t < size / 4; t++) {
             const __m512i x = _mm512_load_si512(xg + k0 / 4 + t);
             for (int j = 0; j < r; j++) {
                 int32_t w;
@@ -417,7 +415,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, i
                 lanes[j] = _mm512_dpbusd_epi32(lanes[j], x, _mm512_set1_epi32(w));
             }
         }
-        const __m512 dx = _mm512_load_ps(G->d + (g * blocks + k0 / size) * GROUP);
+        const __m512 dx = _mm512_load_ps(G->d + (g * blocks + p) * GROUP);
         for (int j = 0; j < r; j++)
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[j]),
                                      _mm512_mul_ps(_mm512_set1_ps(W->scale[(n + j) * W->groups + (k0 >> W->group_shift)]), dx), acc[j]);
@@ -436,19 +434,19 @@ static void gemm_single(const gemm_job *G, int64_t g, int64_t n, const int32_t *
 static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     const gemm_job *G = ctx;
     const job *J = G->J;
-    const int64_t K = J->K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG, per_row = K / G->part;
+    const int64_t K = J->K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG, size = BLOCK * J->A.units, per_row = K / size;
     int32_t *sums = malloc(sizeof(int32_t) * BLOCK_NG * per_row);
     for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
         const int64_t n0 = nb * BLOCK_NG, n1 = n0 + BLOCK_NG < N ? n0 + BLOCK_NG : N;
-        /* Each part's sum: the bytes' offsets from -128 summed 16 at a time (`psadbw`), less 128 each. */
+        /* Each block's sum: the bytes' offsets from -128 summed 16 at a time (`psadbw`), less 128 each. */
         for (int64_t n = n0; n < n1; n++)
             for (int64_t p = 0; p < per_row; p++) {
                 __m128i total = _mm_setzero_si128();
-                for (int64_t k = p * G->part; k < (p + 1) * G->part; k += 16) {
+                for (int64_t k = p * size; k < (p + 1) * size; k += 16) {
                     const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(J->W.q + n * K + k)), _mm_set1_epi8((char)0x80));
                     total = _mm_add_epi64(total, _mm_sad_epu8(v, _mm_setzero_si128()));
                 }
-                sums[(n - n0) * per_row + p] = (int32_t)(_mm_cvtsi128_si64(total) + _mm_extract_epi64(total, 1) - 128 * G->part);
+                sums[(n - n0) * per_row + p] = (int32_t)(_mm_cvtsi128_si64(total) + _mm_extract_epi64(total, 1) - 128 * size);
             }
         for (int64_t g = 0; g < G->groups; g++)
             for (int64_t n = n0; n < n1;) {
@@ -470,11 +468,11 @@ void linear_quantized(const float *x, const int8_t *q, const float *scale, const
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
              .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
 #ifdef LANES_AS_ROWS
-    if (M > FEW_ROWS_LANES) {
+    if (M > FEW_ROWS_LANES && scalar_blocks(&J.W)) {
         J.A.q = malloc(M * K);
         pool_run(quantize_part, &J, M < threads ? M : threads);
         const int64_t size = BLOCK * J.A.units;
-        gemm_job G = {.J = &J, .groups = (M + GROUP - 1) / GROUP, .part = group_shift == 4 ? 16 : size};
+        gemm_job G = {.J = &J, .groups = (M + GROUP - 1) / GROUP};
         G.xi = aligned_alloc(64, G.groups * GROUP * K);
         G.d = aligned_alloc(64, sizeof(float) * G.groups * (K / size) * GROUP);
         pool_run(interleave_part, &G, G.groups < threads ? G.groups : threads);
