@@ -16,7 +16,8 @@ def test_the_static_step_times_its_own_buckets_under_a_key_of_its_own(tokenizer,
     model = tiny_model("llama")
     engine = SpeculativeEngine(model, tokenizer, static_step=True, max_batch=4, draft_budget=7)
     shapes: list[tuple[int, ...]] = []  # of every forward's input ids
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    embeddings = model.get_input_embeddings()
+    hook = embeddings.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
     try:
         engine._costs()
     finally:
