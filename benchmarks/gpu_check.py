@@ -16,10 +16,14 @@ part with a line in the summary). Runs from a checkout: the repo's source is imp
    shapes eagerly) against `generate` (dynamic cache, prompt lookup, static cache compiled); and in
    fp32 on a subset, where the run is not fp32, ours against `generate` token for token;
 5. the fixed-shape step's forward, eager against CUDA graphs, per bucket, beside the weight-read floor;
-6. throughput: 1, 4, 16 and 64 requests run together through the engine's batching.
+6. throughput: 1, 4, 16 and 64 requests run together through the engine's batching;
+7. replayed acceptance: the 1.5B and 7B shapes at random weights end to end, ours (CUDA graphs,
+   eager, fixed shapes eagerly) against `generate` (dynamic cache, static cache compiled), with a
+   drafter that replays the acceptance the real 1.5B measured on the CPU per category
+   (`replayed_acceptance.py`).
 
-The sections run in the order real, fp32, graphs, batch, forward, tests (the newest first), each
-timed. Each writes a markdown table to --out, gpu_check.json (rewritten after every section) holds
+The sections run in the order replayed, real, fp32, graphs, batch, forward, tests (the newest
+first), each timed. Each writes a markdown table to --out, gpu_check.json (rewritten after every section) holds
 every raw number, and the summary is printed last on stdout (progress goes to stderr).
 """
 
@@ -31,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # replayed_acceptance.py, beside this file, when loaded from elsewhere
 # No model hub on the machines this runs on: a download attempt should fail fast, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,7 +50,7 @@ import statistics
 import subprocess
 import time
 import traceback
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,6 +76,7 @@ from rag_speculate.decoding.static import StaticStep
 from rag_speculate.decoding.tree import DraftTree
 from rag_speculate.engine.engine import DEFAULT_DRAFT_BUDGET, EngineStats
 from rag_speculate.models.gguf_file import dense_gguf
+from replayed_acceptance import Plan, ReplayedAcceptanceDrafter, continue_probability, measured_acceptance
 
 # The dev items shipped with the benchmarks (benchmarks/data/README.md).
 DEFAULT_DATA = REPO / "benchmarks" / "data" / "spec_bench_dev.jsonl"
@@ -462,15 +468,15 @@ def compiled_graphs() -> int:
 
 
 def hf_methods(model: PreTrainedModel, first: Item, max_new_tokens: int, cache_tokens: int, notes: list[str], *,
-               full: bool, thread: ThreadPoolExecutor) -> dict[str, Method]:
-    """`generate` with transformers' dynamic cache, and (`full`) with prompt lookup and with its static
-    cache and compiled decoding forward, each warmed up on `first`."""
+               lookup: bool, compiled: bool, thread: ThreadPoolExecutor) -> dict[str, Method]:
+    """`generate` with transformers' dynamic cache, with prompt lookup (`lookup`) and with its static
+    cache and compiled decoding forward (`compiled`), each warmed up on `first`."""
     methods = {"hf-greedy": hf_method(model)}
-    if full:
+    if lookup:
         methods["hf-pld"] = hf_method(model, prompt_lookup_num_tokens=10)
-    if full and model.device.type != "cuda":
+    if compiled and model.device.type != "cuda":
         notes.append("hf-static-compiled skipped: transformers compiles generate's forward on a GPU only")
-    elif full:
+    elif compiled:
         # transformers' fastest documented path: on a static cache, generate compiles its decoding forward
         # (mode reduce-overhead: CUDA graphs). One cache length for every item, so a new prompt's length
         # recompiles nothing; one thread for every call, as torch keeps its CUDA graph trees per thread.
@@ -576,7 +582,7 @@ def real_weight_methods(model: PreTrainedModel, tokenizer, items_from: Callable[
     notes.append("the engine's target forward: " + (f"the model's own ({why_not})" if why_not else "lean"))
     first = min(items, key=lambda item: len(item.prompt_ids))
     row_tokens = max(len(item.prompt_ids) for item in items) + max_new_tokens + DEFAULT_DRAFT_BUDGET + 1
-    hf = hf_methods(model, first, max_new_tokens, row_tokens, notes, full=full, thread=thread)
+    hf = hf_methods(model, first, max_new_tokens, row_tokens, notes, lookup=full, compiled=full, thread=thread)
     engines = our_engines(model, tokenizer, eager, row_tokens, notes, rest=full)
     # Warm-up: the first generation times the engine's forward cost curve; ours share that one
     # curve, so they differ only in how the step runs and in their drafters.
@@ -781,6 +787,84 @@ def throughput_markdown(section: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- 7. the 1.5B and 7B shapes end to end, with replayed acceptance -----------------------------------
+
+# Ours with the replaying drafter, as OURS runs the trie: the engine's defaults, eager, fixed shapes eagerly.
+REPLAYED: dict[str, dict[str, bool]] = {"ours-replayed": {}, "ours-replayed-eager": {"cuda_graphs": False},
+                                        "ours-replayed-static": {"cuda_graphs": False, "static_step": True}}
+
+
+def replayed_items(vocab: int, n: int, context: int) -> list[Item]:
+    """`n` prompts a category of `context` token ids each, every one its own (a random-weight model
+    reads no text, and what it accepts is replayed: only the lengths matter)."""
+    categories = list(enumerate(CATEGORIES))
+    return [Item(f"{c}-{i}", c, probe_ids(vocab, context, start=context * (i * len(categories) + j)), None)
+            for i in range(n) for j, c in categories]
+
+
+def replayed_speed(model: PreTrainedModel, measured: dict[str, float], n: int, context: int, max_new_tokens: int,
+                   thread: ThreadPoolExecutor) -> dict:
+    """`generate` (dynamic cache, static cache compiled) and ours (`REPLAYED`) on `replayed_items`, ours
+    drafting the target's own greedy continuation of each (plain decoding, once) so that each step it
+    accepts the tokens the replay draws from the category's `measured` tokens per forward. Each of
+    ours times its own cost curve (each step has its own: the budget acts on the costs of the step
+    that runs)."""
+    items, notes = replayed_items(model.config.vocab_size, n, context), []
+    budget = DEFAULT_DRAFT_BUDGET
+    plans = {}
+    for seed, item in enumerate(items):
+        continuation = timed_generate(model, item.prompt_ids, max_new_tokens).token_ids
+        r = continue_probability(measured[item.category] - 1, budget)
+        plans[tuple(item.prompt_ids)] = Plan(continuation, r, seed, item.category)
+    row_tokens = context + max_new_tokens + budget + 1
+    methods = hf_methods(model, items[0], max_new_tokens, row_tokens, notes, lookup=False, compiled=True, thread=thread)
+    tokenizer, on_cuda, tallies = id_tokenizer(model.config.vocab_size), model.device.type == "cuda", {}
+    for name, options in REPLAYED.items():
+        if name == "ours-replayed-eager" and not on_cuda:
+            notes.append("ours-replayed-eager not run apart: on a CPU the engine's default (ours-replayed) is eager")
+            continue
+        tally = tallies[name] = Counter()
+        engine = sized_engine(model, tokenizer, ReplayedAcceptanceDrafter(plans, tally), row_tokens, **options)
+        engine.generate(items[0].prompt_ids, max_new_tokens=4)  # times its cost curve, untimed
+        tally.clear()
+        methods[name] = engine_method(engine)
+        notes.append(f"{name}: {graphs_said(engine.stats())}, "
+                     f"{'the fixed-shape step' if engine.stats().static_step else 'the growing cache'}")
+    runs = real_weight_speed(methods, items, max_new_tokens)
+    acceptance = {name: {c: {"replayed": measured[c] - 1, "steps": t[c, "steps"]}
+                         | {f"{k}_per_step": t[c, k] / max(t[c, "steps"], 1) for k in ("drawn", "planned", "accepted")}
+                         for c in CATEGORIES} for name, t in tallies.items()}  # fmt: skip
+    return {"status": "ran", "max_new_tokens": max_new_tokens, "context": context, "notes": notes, "runs": runs,
+            "table": speed_table(runs), "acceptance": acceptance}
+
+
+def replayed_markdown(section: dict, dtype: torch.dtype) -> str:
+    lines = [f"# Replayed acceptance: the 1.5B and 7B shapes end to end ({dtype_name(dtype)}, random weights)", "",
+             "Every table here is of **replayed acceptance**: the models are Qwen2.5 shapes at random weights, and "
+             "ours draft with a drafter that replays the acceptance the real Qwen2.5-Coder-1.5B-Instruct measured on "
+             f"the CPU at draft budget {section['budget']} ({section['source']}: {section['measured_said']} decode "
+             "tokens per forward). That file keeps each item's mean, not per-step traces, so each step's accepted "
+             "count is drawn (fixed seeds) from a truncated geometric of that mean; the drafter proposes the target's "
+             "own greedy continuation (plain decoding, once per prompt) for that many tokens, then wrong ones. The "
+             "engine's whole loop runs for real at real shapes; only the target's agreement is replayed. "
+             f"Prompts of {section['context']} token ids, {section['n']} a category.", ""]
+    for arch, a in section["archs"].items():
+        a = a | {"model": f"{arch}, random weights", "dtype": dtype_name(dtype)}
+        lines.append(real_weights_markdown(a, f"{arch}, replayed acceptance").replace("# ", "## ", 1))
+        lines += [f"Replayed against achieved ({arch}, replayed acceptance): draft tokens accepted a step, the real "
+                  "1.5B's mean; the replay's draws (few steps: noisy); of them those the engine verified (its budget "
+                  "may cut a draft); those the target accepted (fewer only where its choices differ from plain "
+                  "decoding's, as bf16's near-ties may).", "",
+                  "| engine | category | steps | the 1.5B's | drawn | verified | accepted |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for name, by_category in a.get("acceptance", {}).items():
+            for c, r in by_category.items():
+                lines.append(f"| {name} | {c} | {r['steps']} | {r['replayed']:.2f} | {r['drawn_per_step']:.2f} "
+                             f"| {r['planned_per_step']:.2f} | {r['accepted_per_step']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 # --- the run: sections, files, summary -----------------------------------------------------------
 
 
@@ -958,9 +1042,31 @@ def section_throughput(check: Check) -> None:
     check.write("throughput.md", throughput_markdown(section))
 
 
+def section_replayed(check: Check) -> None:
+    """Section 7, one random-weight model in memory at a time."""
+    args = check.args
+    archs = TINY_ARCHS if args.quick else {arch: ARCHS[arch] for arch in args.replay_archs}
+    n, context, max_new = (1, 32, 16) if args.quick else (args.replay_n, args.replay_context,
+                                                          args.replay_max_new_tokens)
+    measured = measured_acceptance(DEFAULT_DRAFT_BUDGET)
+    section = check.results["replayed"] = {
+        "budget": DEFAULT_DRAFT_BUDGET, "source": "benchmarks/results/acceptance_fp32.json", "context": context, "n": n,
+        "measured_said": ", ".join(f"{c} {measured[c]:.2f}" for c in CATEGORIES), "archs": {},
+    }  # fmt: skip
+    for arch, shape in archs.items():
+        log(f"replayed acceptance: {arch} at random weights on {check.device}")
+        model = random_model(shape, check.device, check.dtype)
+        section["archs"][arch] = replayed_speed(model, measured, n, context, max_new, check.thread)
+        check.write("replayed.md", replayed_markdown(section, check.dtype))
+        del model
+        if check.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 # Run in this order: the newest measurements first, so that a run cut short (a machine's time limit)
 # has them; the tests last, bounded by --tests-timeout.
 SECTIONS: dict[str, tuple[str, Callable[[Check], None]]] = {
+    "replayed": ("the 1.5B and 7B shapes, replayed acceptance", section_replayed),
     "real": ("real weights", section_real_weights),
     "fp32": ("real weights in fp32", section_fp32),
     "graphs": ("forward cost, eager against CUDA graphs", section_graphs),
@@ -999,6 +1105,12 @@ def summary(check: Check) -> list[str]:
                       if any(word in note for word in ("skipped", "forward", "recompiled"))]
         elif real:
             lines.append(f"{key.replace('_', ' ')}: {real.get('note', 'failed')}")
+    for arch, a in r.get("replayed", {}).get("archs", {}).items():
+        for m, t in ((m, t) for m, t in a["table"].items() if m.startswith("ours")):
+            compiled = {c: f" [{g['vs_compiled']:.2f}x]" if "vs_compiled" in g else "" for c, g in t.items()}
+            ratios = ", ".join(f"{c} {g['speedup']:.2f}x{compiled[c]}" for c, g in t.items() if c != "all")
+            lines.append(f"replayed acceptance {arch}, {m} (decode vs hf-greedy [vs hf-static-compiled]): {ratios}; "
+                         f"{t['all']['identical']}/{t['all']['items']} identical to hf-greedy")
     for arch, a in r.get("graphs", {}).get("archs", {}).items():
         floor = a["weight_bytes"] / r["graphs"]["bandwidth_bytes_per_s"]
         for c, m in a["contexts"].items():
@@ -1020,7 +1132,7 @@ def summary(check: Check) -> list[str]:
     lines += [f"ERROR in {e}" for e in check.errors]
     lines.append("elapsed: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in r.get("elapsed_s", {}).items()))
     lines.append(f"results: {check.args.out}/ (tests.md, forward_cost.md, step_overhead.md, real_weights.md, "
-                 "real_weights_fp32.md, forward_graphs.md, throughput.md, gpu_check.json)")
+                 "real_weights_fp32.md, forward_graphs.md, throughput.md, replayed.md, gpu_check.json)")
     return lines
 
 
@@ -1031,7 +1143,7 @@ def failed(check: Check) -> bool:
     tests = check.results.get("tests", {})
     fp32 = [check.results.get("real_weights_fp32", {})]
     if check.dtype == torch.float32:
-        fp32.append(check.results.get("real_weights", {}))
+        fp32 += [check.results.get("real_weights", {}), *check.results.get("replayed", {}).get("archs", {}).values()]
     differs = any(g["all"]["identical"] < g["all"]["items"]
                   for section in fp32 for m, g in section.get("table", {}).items() if m.startswith("ours"))
     return bool(check.errors or tests.get("returncode") or differs)
@@ -1043,8 +1155,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--quick", action="store_true", help="tiny models, the fast tests, 1 item per category, 16 new tokens")
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
-                        help="which to run, in this order (default all): real, fp32 (section 4), graphs (5), "
-                             "batch (6), forward (2 and 3), tests (1)")
+                        help="which to run, in this order (default all): replayed (7), real, fp32 (section 4), "
+                             "graphs (5), batch (6), forward (2 and 3), tests (1)")
     parser.add_argument("--smollm", type=Path, default=None,
                         help="a SmolLM2-135M-Instruct folder (config.json, tokenizer, safetensors) or its GGUF file")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -1054,6 +1166,11 @@ def parse_args() -> argparse.Namespace:
                         help="dev items per category of the fp32 identity check, where --dtype is not fp32 (0: none)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
                         help="requests run together (section 6)")
+    parser.add_argument("--replay-archs", nargs="+", choices=list(ARCHS), default=list(ARCHS),
+                        help="random-weight shapes of section 7 (replayed acceptance)")
+    parser.add_argument("--replay-n", type=int, default=1, help="prompts per category of section 7")
+    parser.add_argument("--replay-context", type=int, default=500, help="prompt tokens of section 7's prompts")
+    parser.add_argument("--replay-max-new-tokens", type=int, default=32, help="new tokens at most in section 7")
     parser.add_argument("--tests-timeout", type=int, default=300,
                         help="seconds the tests may take before they are killed")
     parser.add_argument("--out", type=Path, default=Path("gpu_check_results"))

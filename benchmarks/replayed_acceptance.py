@@ -69,7 +69,8 @@ class Plan:
 class ReplayedAcceptanceDrafter(Drafter):
     """Drafts for the prompts of `plans` (keyed by their token ids) so that each step the target
     accepts a replayed number of tokens; `tally` (shared by its forks) counts per category the steps,
-    the tokens the replay meant to be accepted and those the target accepted."""
+    the tokens the replay drew, those of them the engine verified (its budget may cut a draft) and
+    those the target accepted."""
 
     name = "replayed"
 
@@ -107,5 +108,6 @@ class ReplayedAcceptanceDrafter(Drafter):
         # The engine may verify less of the draft than the replay meant to be accepted: both are counted.
         category = self._plan.category
         self.tally[category, "steps"] += 1
+        self.tally[category, "drawn"] += self._planned
         self.tally[category, "planned"] += min(self._planned, len(verification.tree))
         self.tally[category, "accepted"] += len(verification.accepted_nodes)

@@ -14,7 +14,7 @@ from packaged_fixtures import MODEL, installed
 
 REPO = Path(__file__).resolve().parents[2]
 TABLES = ("tests.md", "forward_cost.md", "step_overhead.md", "real_weights.md", "real_weights_fp32.md", "forward_graphs.md",
-          "throughput.md")
+          "throughput.md", "replayed.md")
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +120,19 @@ def test_graph_forward_table_marks_graphs_absent_off_cuda(gpu_check):
     assert "CUDA graphs: not on this device" in table
     # q 2: eager 4 ms, twice t(1), four times the 1 ms floor (1 MB at 1 GB/s); no graph columns.
     assert "| 2 | 0.00400 | - | - | 2.00 | 4.0 |" in table
+
+
+def test_replayed_tables_say_so_and_set_replayed_beside_achieved(gpu_check):
+    runs = {name: [{"category": "rag", "decode_s": 1.0, "decode_tokens": rate, "identical": True}]
+            for name, rate in (("hf-greedy", 10), ("ours-replayed", 15))}
+    counts = {"replayed": 0.57, "steps": 9, "drawn_per_step": 0.6, "planned_per_step": 0.5, "accepted_per_step": 0.5}
+    acceptance = {"ours-replayed": {"rag": counts}}
+    arch = {"status": "ran", "max_new_tokens": 16, "context": 32, "notes": ["a note"], "runs": runs,
+            "table": gpu_check.speed_table(runs), "acceptance": acceptance}
+    section = {"budget": 16, "source": "acceptance_fp32.json", "measured_said": "rag 1.57", "context": 32, "n": 1,
+               "archs": {"tiny-a": arch, "tiny-b": arch}}
+    table = gpu_check.replayed_markdown(section, gpu_check.torch.float32)
+    headings = [line for line in table.splitlines() if line.startswith("#")]
+    assert len(headings) == 3 and all("eplayed acceptance" in line for line in headings)
+    assert "| ours-replayed | rag | 1 | 1/1 | 15.0 | 1.50 |" in table
+    assert "| ours-replayed | rag | 9 | 0.57 | 0.60 | 0.50 | 0.50 |" in table
