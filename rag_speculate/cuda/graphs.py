@@ -1,8 +1,7 @@
 """The verification step's forwards captured in CUDA graphs, one per shape, and replayed: `CudaGraphs`.
 
 On a GPU a forward of a model costs its kernel launches and the Python around them far more than
-its arithmetic (docs/gpu.md): 15-25 ms whatever the tokens fed, several times what reading the
-weights takes. A CUDA graph records a forward's kernels once and replays them in one launch. The
+its arithmetic, whatever the tokens fed (docs/gpu.md has the figures). A CUDA graph records a forward's kernels once and replays them in one launch. The
 fixed-shape step (`decoding/static.py`) runs each bucket's forward on the same tensors every time,
 so each bucket is captured on its first use (after warm-up runs on a side stream, as torch's
 documentation prescribes, so that lazily made handles and workspaces exist before the capture),

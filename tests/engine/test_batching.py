@@ -30,6 +30,21 @@ PROMPTS = [
 PINNED = CostModel({1: 1.0, 300: 1.5}, learn=False)
 
 
+def joining_and_leaving(engine: SpeculativeEngine, model, tokenizer) -> list:
+    """Five requests of different prompt and answer lengths, each joining a batch under way (rows
+    join at different steps and leave at others): each gets `generate`'s answer, and they ran together."""
+    lengths = [40, 8, 25, 3, 33]
+    references = [hf_greedy(model, tokenizer.encode(p), n) for p, n in zip(PROMPTS, lengths)]
+    streams = []
+    for prompt, n, reference in zip(PROMPTS, lengths, references):
+        streams.append(engine.stream(prompt, documents=[reference[: n // 2]], max_new_tokens=n))
+        time.sleep(0.01)  # the next joins a batch already under way
+    results = [s.collect() for s in streams]
+    assert [r.token_ids for r in results] == references
+    assert max(size for r in results for size in r.stats.batch_sizes) > 1  # they did run together
+    return results
+
+
 def _engine(model, tokenizer, drafter=None, **options) -> SpeculativeEngine:
     engine = SpeculativeEngine(model, tokenizer, drafter, **options)
     engine.cost_model = PINNED
@@ -41,16 +56,7 @@ def test_rows_joining_and_leaving_give_each_its_own_greedy_answer(arch, tokenize
     model = tiny_model(arch)
     engine = _engine(model, tokenizer)
     assert engine.max_batch > 1 and not engine.traits.rows.why_not
-    # Different prompt lengths and answer lengths: rows join at different steps and leave at others.
-    lengths = [40, 8, 25, 3, 33]
-    references = [hf_greedy(model, tokenizer.encode(p), n) for p, n in zip(PROMPTS, lengths)]
-    streams = []
-    for prompt, n, reference in zip(PROMPTS, lengths, references):
-        streams.append(engine.stream(prompt, documents=[reference[: n // 2]], max_new_tokens=n))
-        time.sleep(0.01)  # the next joins a batch already under way
-    results = [s.collect() for s in streams]
-    assert [r.token_ids for r in results] == references
-    assert max(size for r in results for size in r.stats.batch_sizes) > 1  # they did run together
+    joining_and_leaving(engine, model, tokenizer)
     assert engine.in_flight == 0
 
 

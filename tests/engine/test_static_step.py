@@ -5,26 +5,15 @@ are refused by name where they cannot run."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from conftest import VOCAB, hf_greedy, tiny_model
 from drafters_for_tests import RandomTreeDrafter
 
-from rag_speculate import InvalidArgumentError, SpeculativeEngine
-from rag_speculate.decoding.budget import CostModel
-from rag_speculate.decoding.prompt_cache import kv_bytes_per_token
+from test_batching import PINNED, PROMPTS, joining_and_leaving
 
-PROMPTS = [
-    "the quick brown fox jumps over the lazy dog. the quick",
-    "In 1905, Einstein published",
-    "a",
-    "She sells sea shells by the sea shore; the shells she sells are",
-    "One, two, three, four, five, six, seven, eight, nine, ten, eleven,",
-]
-# Drafting always pays and costs grow with tokens fed: rows draft, and batches of rows are verified.
-PINNED = CostModel({1: 1.0, 300: 1.5}, learn=False)
+from rag_speculate import InvalidArgumentError, SpeculativeEngine
+from rag_speculate.decoding.prompt_cache import kv_bytes_per_token
 
 
 def _engine(model, tokenizer, drafter=None, **options) -> SpeculativeEngine:
@@ -38,18 +27,11 @@ def test_rows_joining_and_leaving_give_each_its_greedy_answer(arch, tokenizer, f
     model = tiny_model(arch)
     engine = _engine(model, tokenizer, max_batch=4)
     assert engine.stats().static_step and engine.stats().cuda_graphs == 0
-    lengths = [40, 8, 25, 3, 33]
-    references = [hf_greedy(model, tokenizer.encode(p), n) for p, n in zip(PROMPTS, lengths)]
-    streams = []
-    for prompt, n, reference in zip(PROMPTS, lengths, references):
-        streams.append(engine.stream(prompt, documents=[reference[: n // 2]], max_new_tokens=n))
-        time.sleep(0.01)  # the next joins a batch already under way
-    results = [s.collect() for s in streams]
-    assert [r.token_ids for r in results] == references
-    assert max(size for r in results for size in r.stats.batch_sizes) > 1  # they did run together
+    results = joining_and_leaving(engine, model, tokenizer)
     assert max(r.stats.tokens_per_forward for r in results) > 1.5  # and drafts were accepted
-    one = _engine(model, tokenizer, max_batch=1).generate(PROMPTS[0], documents=[references[0][:20]], max_new_tokens=40)
-    assert one.token_ids == references[0]
+    reference = results[0].token_ids  # generate's, as joining_and_leaving checked
+    one = _engine(model, tokenizer, max_batch=1).generate(PROMPTS[0], documents=[reference[:20]], max_new_tokens=40)
+    assert one.token_ids == reference
 
 
 def test_adversarial_trees_under_the_meta_device_guard_match_generate(tokenizer, monkeypatch):
