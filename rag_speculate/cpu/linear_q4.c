@@ -35,19 +35,32 @@
 #define SUB 32       /* values per sub-block: its own scale and minimum */
 #define CHUNK 64     /* values per 32 bytes of packed weights */
 #define MAX_SUBS 8   /* sub-blocks per super-block, at most (256 values) */
-#define BLOCK_M 192  /* rows of x per cache block */
-#define CHUNK_K 2048 /* values of k per pass for many rows: a block of weight rows stays in L2 */
 #define BLOCK_N 64   /* weight rows per cache block */
 
+/* Vectors of 32-bit lanes: the tiles' integer lanes, and the rows-as-lanes product's rows (GROUP of
+ * them). Integer products summed into 32-bit lanes: 4 unsigned by signed bytes (`dot4`: the unsigned
+ * values at most 15, so no 16-bit pair saturates), or 2 16-bit pairs (`dot2`). */
 #ifdef __AVX512F__
 #define W_ROWS 4
-#define X_ROWS 4
-#define FEW_ROWS 4 /* rows of x up to which the tiles below run; more take the lanes-as-rows product */
+#define X_ROWS 4 /* rows of x a tile holds, and up to which the tiles run: more take the rows-as-lanes product */
+#define GROUP 16
 typedef __m512i ivec;
+typedef __m512 fvec;
 #define izero() _mm512_setzero_si512()
+#define iset1(v) _mm512_set1_epi32(v)
+#define iadd(a, b) _mm512_add_epi32(a, b)
+#define imul(a, b) _mm512_mullo_epi32(a, b)
+#define iload(p) _mm512_load_si512(p)
+#define fzero() _mm512_setzero_ps()
+#define fset1(v) _mm512_set1_ps(v)
+#define fload(p) _mm512_load_ps(p)
+#define fstore(p, v) _mm512_storeu_ps(p, v)
+#define fadd(a, b) _mm512_add_ps(a, b)
+#define fmul(a, b) _mm512_mul_ps(a, b)
+#define ffma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define itof(v) _mm512_cvtepi32_ps(v)
 /* The sub-blocks' scales (8 int16 in a 128-bit lane) in every 128-bit lane. */
 #define spread(s128) _mm512_broadcast_i32x4(s128)
-/* Integer products summed into 32-bit lanes: 4 unsigned by signed bytes, or 2 16-bit pairs. */
 #ifdef __AVX512VNNI__
 #define dot4(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #define dot2(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
@@ -58,10 +71,25 @@ typedef __m512i ivec;
 #else
 #define W_ROWS 2
 #define X_ROWS 3
-#define FEW_ROWS 64 /* rows of x up to which a tile runs over the whole of k */
+#define GROUP 8
 typedef __m256i ivec;
+typedef __m256 fvec;
 #define izero() _mm256_setzero_si256()
+#define iset1(v) _mm256_set1_epi32(v)
+#define iadd(a, b) _mm256_add_epi32(a, b)
+#define imul(a, b) _mm256_mullo_epi32(a, b)
+#define iload(p) _mm256_load_si256(p)
+#define fzero() _mm256_setzero_ps()
+#define fset1(v) _mm256_set1_ps(v)
+#define fload(p) _mm256_load_ps(p)
+#define fstore(p, v) _mm256_storeu_ps(p, v)
+#define fadd(a, b) _mm256_add_ps(a, b)
+#define fmul(a, b) _mm256_mul_ps(a, b)
+#define ffma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define itof(v) _mm256_cvtepi32_ps(v)
 #define spread(s128) _mm256_broadcastsi128_si256(s128)
+#define dot4(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define dot2(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #endif
 
 typedef struct {
@@ -216,6 +244,11 @@ typedef struct {
 
 void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
 
+/* Memory for vectors: 64-byte aligned, its size rounded up to a whole number of 64 bytes as aligned_alloc asks. */
+static void *vec_alloc(size_t bytes) {
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
 /* Rows of x into their int8 values, per super-block scales and per sub-block sums. */
 static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const job *J = ctx;
@@ -238,55 +271,34 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
         }
 }
 
-/* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for every row of x. */
+/* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for the few rows of x. Bound
+ * by reading the weights: each tile runs over the whole of k, so a block of weight rows is read from
+ * memory once while every tile of rows passes it in the caches. */
 static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     const job *J = ctx;
-    const int64_t M = J->M, N = J->N, supers = J->W.supers;
-    /* Up to FEW_ROWS rows (decoding, a draft tree) are bound by reading the weights: each tile runs
-     * over the whole of k, so a block of weight rows is read from memory once while every tile of
-     * rows passes it in the caches. More rows take k a chunk at a time. */
-    const int64_t chunk = M <= FEW_ROWS ? supers : (CHUNK_K / J->W.size > 0 ? CHUNK_K / J->W.size : 1);
-    const int64_t blocks = (N + BLOCK_N - 1) / BLOCK_N;
-    const int64_t tiles_m = ((M < BLOCK_M ? M : BLOCK_M) + X_ROWS - 1) / X_ROWS;
-    float *accs = malloc(sizeof(float) * tiles_m * BLOCK_N * X_ROWS * 2), *accms = accs + tiles_m * BLOCK_N * X_ROWS;
-    for (int64_t m_block = 0; m_block < M; m_block += BLOCK_M) {
-        const int64_t m_end = m_block + BLOCK_M < M ? m_block + BLOCK_M : M;
-        for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
-            const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
-            memset(accs, 0, sizeof(float) * tiles_m * BLOCK_N * X_ROWS * 2);
-            for (int64_t s0 = 0; s0 < supers; s0 += chunk) {
-                const int64_t s1 = s0 + chunk < supers ? s0 + chunk : supers;
-                for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                    const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                    const int64_t base = (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
-                    for (int64_t n = n_start; n < n_end;) {
-                        const int full = n + W_ROWS <= n_end;
-                        const int64_t at = base + (n - n_start) * X_ROWS;
-                        (full ? FULL : SINGLE)[m](&J->A, m0, &J->W, n, accs + at, accms + at, s0, s1);
-                        n += full ? W_ROWS : 1;
-                    }
-                }
-            }
-            for (int64_t m0 = m_block; m0 < m_end; m0 += X_ROWS) {
-                const int m = m_end - m0 < X_ROWS ? (int)(m_end - m0) : X_ROWS;
-                const int64_t base = (m0 - m_block) / X_ROWS * BLOCK_N * X_ROWS;
-                for (int64_t n = n_start; n < n_end; n++)
-                    for (int i = 0; i < m; i++) {
-                        const int64_t at = base + (n - n_start) * X_ROWS + i;
-                        J->out[(m0 + i) * N + n] = accs[at] + accms[at] + (J->bias ? J->bias[n] : 0.0f);
-                    }
-            }
+    const int64_t M = J->M, N = J->N, supers = J->W.supers, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    float acc[2 * BLOCK_N * X_ROWS], *accm = acc + BLOCK_N * X_ROWS;
+    for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
+        const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
+        memset(acc, 0, sizeof acc);
+        for (int64_t n = n_start; n < n_end;) {
+            const int full = n + W_ROWS <= n_end;
+            const int64_t at = (n - n_start) * X_ROWS;
+            (full ? FULL : SINGLE)[M](&J->A, 0, &J->W, n, acc + at, accm + at, 0, supers);
+            n += full ? W_ROWS : 1;
         }
+        for (int64_t n = n_start; n < n_end; n++)
+            for (int i = 0; i < M; i++) {
+                const int64_t at = (n - n_start) * X_ROWS + i;
+                J->out[i * N + n] = acc[at] + accm[at] + (J->bias ? J->bias[n] : 0.0f);
+            }
     }
-    free(accs);
 }
 
-#ifdef __AVX512F__
-/* Many rows (a prefill): each vector's 16 lanes are 16 rows of x, so a super-block's scaling serves 16
- * outputs an instruction. x is interleaved by groups of 16 rows, 4 values of each row in turn (`xi`),
- * and a weight row's 4 values, broadcast, meet them in one `vpdpbusd` (64 products); each lane runs
- * `add_super`'s operations on its own row. */
-#define GROUP 16     /* rows of x in a vector's lanes */
+/* Many rows (a prefill): each vector's lanes are GROUP rows of x, so a super-block's scaling serves
+ * GROUP outputs an instruction. x is interleaved by groups of rows, 4 values of each row in turn
+ * (`xi`), and a weight row's 4 values, broadcast, meet them in one `dot4` (AVX-512 VNNI: one
+ * `vpdpbusd`, 64 products); each lane runs `add_super`'s operations on its own row. */
 #define G_ROWS 4     /* weight rows per tile */
 #define BLOCK_NG 32  /* weight rows unpacked to a byte a value at a time */
 
@@ -336,41 +348,40 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, i
     const job *J = G->J;
     const weights *W = &J->W;
     const int64_t K = W->K, S = W->size, supers = W->supers, subs = W->subs, pairs = subs / 2;
-    const __m512i *xg = (const __m512i *)(G->L.xi + g * K * GROUP);
-    __m512 acc[G_ROWS], accm[G_ROWS];
-    for (int j = 0; j < r; j++) acc[j] = _mm512_setzero_ps(), accm[j] = _mm512_setzero_ps();
+    const ivec *xg = (const ivec *)(G->L.xi + g * K * GROUP);
+    fvec acc[G_ROWS], accm[G_ROWS];
+    for (int j = 0; j < r; j++) acc[j] = fzero(), accm[j] = fzero();
     for (int64_t s = 0; s < supers; s++) {
-        __m512i total[G_ROWS], mins[G_ROWS];
+        ivec total[G_ROWS], mins[G_ROWS];
         const uint8_t *sub[G_ROWS];
-        for (int j = 0; j < r; j++) total[j] = mins[j] = _mm512_setzero_si512(), sub[j] = W->sub + ((n + j) * supers + s) * 2 * subs;
+        for (int j = 0; j < r; j++) total[j] = mins[j] = izero(), sub[j] = W->sub + ((n + j) * supers + s) * 2 * subs;
         for (int64_t b = 0; b < subs; b++) {
-            __m512i part[G_ROWS];
-            for (int j = 0; j < r; j++) part[j] = _mm512_setzero_si512();
+            ivec part[G_ROWS];
+            for (int j = 0; j < r; j++) part[j] = izero();
             const int64_t k0 = s * S + b * SUB;
             for (int t = 0; t < SUB / 4; t++) {
-                const __m512i x = _mm512_load_si512(xg + k0 / 4 + t);
+                const ivec x = iload(xg + k0 / 4 + t);
                 for (int j = 0; j < r; j++) {
                     int32_t w;
                     memcpy(&w, wu + j * K + k0 + 4 * t, sizeof w);
-                    part[j] = dot4(part[j], _mm512_set1_epi32(w), x);
+                    part[j] = dot4(part[j], iset1(w), x);
                 }
             }
-            for (int j = 0; j < r; j++) total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(part[j], _mm512_set1_epi32(sub[j][b])));
+            for (int j = 0; j < r; j++) total[j] = iadd(total[j], imul(part[j], iset1(sub[j][b])));
         }
         for (int64_t p = 0; p < pairs; p++) {
-            const __m512i sums = _mm512_load_si512((const __m512i *)(G->L.sums + ((g * supers + s) * pairs + p) * GROUP));
-            for (int j = 0; j < r; j++)
-                mins[j] = dot2(mins[j], sums, _mm512_set1_epi32(sub[j][subs + 2 * p] | (sub[j][subs + 2 * p + 1] << 16)));
+            const ivec sums = iload((const ivec *)(G->L.sums + ((g * supers + s) * pairs + p) * GROUP));
+            for (int j = 0; j < r; j++) mins[j] = dot2(mins[j], sums, iset1(sub[j][subs + 2 * p] | (sub[j][subs + 2 * p + 1] << 16)));
         }
-        const __m512 dx = _mm512_load_ps(G->L.d + (g * supers + s) * GROUP);
+        const fvec dx = fload(G->L.d + (g * supers + s) * GROUP);
         for (int j = 0; j < r; j++) {
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), _mm512_mul_ps(_mm512_set1_ps(W->d[(n + j) * supers + s]), dx), acc[j]);
-            accm[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[j]), _mm512_mul_ps(_mm512_set1_ps(W->o[(n + j) * supers + s]), dx), accm[j]);
+            acc[j] = ffma(itof(total[j]), fmul(fset1(W->d[(n + j) * supers + s]), dx), acc[j]);
+            accm[j] = ffma(itof(mins[j]), fmul(fset1(W->o[(n + j) * supers + s]), dx), accm[j]);
         }
     }
     for (int j = 0; j < r; j++) {
         float y[GROUP];
-        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_add_ps(acc[j], accm[j]), _mm512_set1_ps(J->bias ? J->bias[n + j] : 0.0f)));
+        fstore(y, fadd(fadd(acc[j], accm[j]), fset1(J->bias ? J->bias[n + j] : 0.0f)));
         for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) J->out[(g * GROUP + l) * J->N + n + j] = y[l];
     }
 }
@@ -385,7 +396,7 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     const job *J = G->J;
     const int64_t K = J->W.K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG;
     const __m256i nibble = _mm256_set1_epi8(15);
-    uint8_t *wu = aligned_alloc(64, BLOCK_NG * K);
+    uint8_t *wu = vec_alloc(BLOCK_NG * K);
     for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
         const int64_t n0 = nb * BLOCK_NG, n1 = n0 + BLOCK_NG < N ? n0 + BLOCK_NG : N;
         for (int64_t n = n0; n < n1; n++)
@@ -403,7 +414,6 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     }
     free(wu);
 }
-#endif
 
 /* x: M x K fp32, qs: N x K/2, sub: N x supers x 2 (K / 32 per row) bytes, d and o: N x supers, bias:
  * N or NULL, out: M x N; super-blocks of `size` values (64, 128 or 256), K a multiple of it. */
@@ -419,19 +429,17 @@ void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const floa
     J.A.d = malloc(sizeof(float) * M * J.W.supers);
     J.A.sums = malloc(sizeof(int16_t) * M * J.W.supers * MAX_SUBS);
     pool_run(quantize_part, &J, M < threads ? M : threads);
-#ifdef __AVX512F__
-    if (M > FEW_ROWS) {
+    if (M > X_ROWS) {
         gemm_job G = {.J = &J, .L = {.groups = (M + GROUP - 1) / GROUP}};
-        G.L.xi = aligned_alloc(64, G.L.groups * GROUP * K);
-        G.L.d = aligned_alloc(64, sizeof(float) * G.L.groups * J.W.supers * GROUP);
-        G.L.sums = aligned_alloc(64, sizeof(int32_t) * G.L.groups * J.W.supers * (J.W.subs / 2) * GROUP);
+        G.L.xi = vec_alloc(G.L.groups * GROUP * K);
+        G.L.d = vec_alloc(sizeof(float) * G.L.groups * J.W.supers * GROUP);
+        G.L.sums = vec_alloc(sizeof(int32_t) * G.L.groups * J.W.supers * (J.W.subs / 2) * GROUP);
         pool_run(interleave_part, &G, G.L.groups < threads ? G.L.groups : threads);
         pool_run(gemm_part, &G, threads);
         free(G.L.xi);
         free(G.L.d);
         free(G.L.sums);
     } else
-#endif
         pool_run(multiply_part, &J, threads);
     free(J.A.q);
     free(J.A.d);
