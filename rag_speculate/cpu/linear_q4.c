@@ -21,9 +21,10 @@
  * Two paths. Few rows (decoding, a draft tree) are bound by reading the weights: a tile holds 2 to 4
  * weight rows against up to 4 rows of x, its integer lanes summed to one integer per output and
  * super-block (AVX2: two `maddubs` and two `madd` per 64 values; AVX-512: one `maddubs` and, with VNNI,
- * one `vpdpwssd` that scales and adds the pair sums). Many rows (a prefill, AVX-512) are bound by the
- * arithmetic: there a vector's 16 lanes are 16 rows of x, so one `vpdpbusd` makes 64 products and
- * the per-super-block scaling serves 16 outputs an instruction (`gemm_tile`).
+ * one `vpdpwssd` that scales and adds the pair sums). Many rows (a prefill) are bound by the
+ * arithmetic: there a vector's lanes are rows of x (16 on AVX-512, where one `vpdpbusd` makes 64
+ * products; 8 on AVX2), so the per-super-block scaling serves that many outputs an instruction
+ * (`gemm_tile`).
  */
 #include <immintrin.h>
 #include <stdint.h>
