@@ -9,13 +9,19 @@ forward on one thread keeps one team busy, and a step costs the same whoever cal
 each forward (`scheduler.py`).
 
 The thread ends after `idle_s` without work and the next `wake` starts another, so an engine that
-is dropped leaves no thread behind for long.
+is dropped leaves no thread behind for long; at the interpreter's exit every engine's thread is
+ended and joined first, as torch's native threads torn down under a live one abort the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable
+
+# Every engine thread that may still run, for `_end_all` at exit.
+_threads: weakref.WeakSet[EngineThread] = weakref.WeakSet()
 
 
 class EngineThread:
@@ -27,6 +33,8 @@ class EngineThread:
         self._lock = threading.Lock()
         self._woken = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ending = False
+        _threads.add(self)
 
     def wake(self) -> None:
         """There is work: run steps until there is none."""
@@ -36,12 +44,21 @@ class EngineThread:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
 
+    def end(self, timeout_s: float = 5.0) -> None:
+        """No more steps: the thread ends after the one under way (waited for up to `timeout_s`)."""
+        with self._lock:
+            self._ending = True
+            self._woken.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
     def is_current(self) -> bool:
         """Whether the caller runs on the engine's thread (where waiting for a generation would never end)."""
         return threading.current_thread() is self._thread
 
     def _loop(self) -> None:
-        while True:
+        while not self._ending:
             self._woken.clear()
             try:
                 busy = self._step()
@@ -56,3 +73,11 @@ class EngineThread:
                     if not self._woken.is_set():
                         self._thread = None
                         return
+        with self._lock:
+            self._thread = None
+
+
+@atexit.register
+def _end_all() -> None:
+    for engine_thread in list(_threads):
+        engine_thread.end()
