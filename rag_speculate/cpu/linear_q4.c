@@ -146,15 +146,15 @@ static inline int32_t isum(__m256i v) {
 }
 #endif
 
-/* Few rows (decoding, a draft tree): m rows of x (from i0) against r weight rows (from n) over
- * super-blocks [s0, s1), adding to the accumulators `acc` and `accm` (r x X_ROWS of each, kept between
- * calls); m and r are constants in each instance, so the loops unroll. A super-block's products sum
+/* Few rows (decoding, a draft tree): the m rows of x against r weight rows (from n) over all of k,
+ * into the accumulators `acc` and `accm` (r x X_ROWS of each); m and r are constants in each
+ * instance, so the loops unroll. A super-block's products sum
  * in integer lanes, then to one integer each (`add_super`). */
-static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0, const weights *W, int64_t n, float *acc,
-                                                       float *accm, const int m, const int r, int64_t s0, int64_t s1) {
+static inline __attribute__((always_inline)) void tile(const acts *A, const weights *W, int64_t n, float *acc, float *accm,
+                                                       const int m, const int r) {
     const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK;
     const __m256i nibble = _mm256_set1_epi8(15);
-    for (int64_t s = s0; s < s1; s++) {
+    for (int64_t s = 0; s < supers; s++) {
         __m128i sub[W_ROWS];
         ivec scales[W_ROWS];
         for (int j = 0; j < r; j++) {
@@ -180,7 +180,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
                 sc[j] = _mm512_shuffle_epi8(scales[j], ctrl);
             }
             for (int i = 0; i < m; i++) {
-                const __m512i x = _mm512_loadu_si512(A->q + (i0 + i) * K + at);
+                const __m512i x = _mm512_loadu_si512(A->q + i * K + at);
                 for (int j = 0; j < r; j++) lanes[j][i] = dot2(lanes[j][i], _mm512_maddubs_epi16(w[j], x), sc[j]);
             }
 #else
@@ -194,8 +194,8 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
                 sc_hi[j] = _mm256_shuffle_epi8(scales[j], ctrl_hi);
             }
             for (int i = 0; i < m; i++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + at));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(A->q + (i0 + i) * K + at + 32));
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(A->q + i * K + at));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(A->q + i * K + at + 32));
                 for (int j = 0; j < r; j++) {
                     const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[j], x0), sc_lo[j]),
                                                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi[j], x1), sc_hi[j]));
@@ -208,22 +208,18 @@ static inline __attribute__((always_inline)) void tile(const acts *A, int64_t i0
             const float d = W->d[(n + j) * supers + s], o = W->o[(n + j) * supers + s];
             const __m128i mins = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
             for (int i = 0; i < m; i++) {
-                const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + ((i0 + i) * supers + s) * MAX_SUBS));
+                const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + (i * supers + s) * MAX_SUBS));
                 add_super(acc + j * X_ROWS + i, accm + j * X_ROWS + i, isum(lanes[j][i]), hsum4_epi32(_mm_madd_epi16(mins, sums)), d, o,
-                          A->d[(i0 + i) * supers + s]);
+                          A->d[i * supers + s]);
             }
         }
     }
 }
 
-#define TILES(m)                                                                                                           \
-    static void full_##m(const acts *A, int64_t i0, const weights *W, int64_t n, float *acc, float *accm, int64_t s0, int64_t s1) { \
-        tile(A, i0, W, n, acc, accm, m, W_ROWS, s0, s1);                                                                   \
-    }                                                                                                                      \
-    static void single_##m(const acts *A, int64_t i0, const weights *W, int64_t n, float *acc, float *accm, int64_t s0, int64_t s1) { \
-        tile(A, i0, W, n, acc, accm, m, 1, s0, s1);                                                                        \
-    }
-typedef void (*tile_fn)(const acts *, int64_t, const weights *, int64_t, float *, float *, int64_t, int64_t);
+#define TILES(m)                                                                                                          \
+    static void full_##m(const acts *A, const weights *W, int64_t n, float *acc, float *accm) { tile(A, W, n, acc, accm, m, W_ROWS); } \
+    static void single_##m(const acts *A, const weights *W, int64_t n, float *acc, float *accm) { tile(A, W, n, acc, accm, m, 1); }
+typedef void (*tile_fn)(const acts *, const weights *, int64_t, float *, float *);
 TILES(1) TILES(2) TILES(3)
 #if X_ROWS == 4
 TILES(4)
@@ -277,7 +273,7 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
  * memory once while every tile of rows passes it in the caches. */
 static void multiply_part(void *ctx, int64_t part, int64_t parts) {
     const job *J = ctx;
-    const int64_t M = J->M, N = J->N, supers = J->W.supers, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    const int64_t M = J->M, N = J->N, blocks = (N + BLOCK_N - 1) / BLOCK_N;
     float acc[2 * BLOCK_N * X_ROWS], *accm = acc + BLOCK_N * X_ROWS;
     for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
         const int64_t n_start = nb * BLOCK_N, n_end = n_start + BLOCK_N < N ? n_start + BLOCK_N : N;
@@ -285,7 +281,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
         for (int64_t n = n_start; n < n_end;) {
             const int full = n + W_ROWS <= n_end;
             const int64_t at = (n - n_start) * X_ROWS;
-            (full ? FULL : SINGLE)[M](&J->A, 0, &J->W, n, acc + at, accm + at, 0, supers);
+            (full ? FULL : SINGLE)[M](&J->A, &J->W, n, acc + at, accm + at);
             n += full ? W_ROWS : 1;
         }
         for (int64_t n = n_start; n < n_end; n++)
