@@ -14,8 +14,8 @@
  *
  * The invariant: y[m][n] is the same sequence of operations on the same inputs, whatever M and
  * whatever rows sit beside m. Per super-block, s = 0, 1, 2, ... in order, its two integer sums (exact,
- * however they were summed) each meet their scales' product in one fma on an accumulator of their
- * own (`add_super`); then the two accumulators are added, then the bias. Tiling, blocking, threading
+ * however they were summed) each meet their scales' product (d dx, o dx) in one fma on an accumulator
+ * of their own; then the two accumulators are added, then the bias. Tiling, blocking, threading
  * and the path taken only choose which outputs are computed together, never how one is summed.
  *
  * Two paths. Few rows (decoding, a draft tree) are bound by reading the weights: a tile holds 2 to 4
@@ -125,35 +125,45 @@ static inline __m128i sub_bytes(const weights *W, int64_t b) {
     return _mm_loadu_si128((const __m128i *)tail);
 }
 
-/* An output's super-block, from its two exact integer sums: the lanes' by d dx, the minimums' by o dx,
- * each added to its own accumulator with one fma. Both paths below end every super-block here (or
- * in these same operations on vector lanes), so an output's bits do not depend on the path. */
-static inline void add_super(float *acc, float *accm, int32_t sum, int32_t mins, float d, float o, float dx) {
-    *acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)sum), _mm_mul_ss(_mm_set_ss(d), _mm_set_ss(dx)), _mm_set_ss(*acc)));
-    *accm = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)mins), _mm_mul_ss(_mm_set_ss(o), _mm_set_ss(dx)), _mm_set_ss(*accm)));
-}
-
 static inline int32_t hsum4_epi32(__m128i v) {
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
+/* The integer sums of a tile's W_ROWS lane vectors, one a lane (AVX2: lanes 2 and 3 zero), taken
+ * together (vectors interleaved in pairs and added, then the halves): one vector at a time, these
+ * sums cost as many instructions as a decoding step's products. Integers: any order is exact. */
+static inline __m128i row_sums(const ivec *v) {
 #ifdef __AVX512F__
-#define isum(v) _mm512_reduce_add_epi32(v)
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
 #else
-static inline int32_t isum(__m256i v) {
-    return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
+    const __m256i t = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+    const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(t, _mm256_setzero_si256()), _mm256_unpackhi_epi64(t, _mm256_setzero_si256()));
 #endif
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* The values at p, p + stride, ... for r weight rows, a lane each, zero past r. */
+static inline __m128 per_row(const float *p, int64_t stride, const int r) {
+    float v[4] = {0};
+    for (int j = 0; j < r; j++) v[j] = p[j * stride];
+    return _mm_loadu_ps(v);
+}
 
 /* Few rows (decoding, a draft tree): the m rows of x against r weight rows (from n) over all of k,
- * into the accumulators `acc` and `accm` (r x X_ROWS of each); m and r are constants in each
- * instance, so the loops unroll. A super-block's products sum
- * in integer lanes, then to one integer each (`add_super`). */
+ * into `acc` and `accm` (r x X_ROWS of each); m and r are constants in each instance, so the loops
+ * unroll. A super-block's products sum in integer lanes, then to one integer per output, for its
+ * minimums another; each meets its scales in one fma, the tile's r outputs of a row of x side by
+ * side in one vector's lanes (the lanes of `gemm_tile` do the same operations). */
 static inline __attribute__((always_inline)) void tile(const acts *A, const weights *W, int64_t n, float *acc, float *accm,
                                                        const int m, const int r) {
     const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK;
     const __m256i nibble = _mm256_set1_epi8(15);
+    __m128 out[X_ROWS], out_mins[X_ROWS];
+    for (int i = 0; i < m; i++) out[i] = out_mins[i] = _mm_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         __m128i sub[W_ROWS];
         ivec scales[W_ROWS];
@@ -204,15 +214,26 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
             }
 #endif
         }
-        for (int j = 0; j < r; j++) {
-            const float d = W->d[(n + j) * supers + s], o = W->o[(n + j) * supers + s];
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
-            for (int i = 0; i < m; i++) {
-                const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + (i * supers + s) * MAX_SUBS));
-                add_super(acc + j * X_ROWS + i, accm + j * X_ROWS + i, isum(lanes[j][i]), hsum4_epi32(_mm_madd_epi16(mins, sums)), d, o,
-                          A->d[i * supers + s]);
-            }
+        __m128i mins[4] = {0};
+        for (int j = 0; j < r; j++) mins[j] = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
+        const __m128 d = per_row(W->d + n * supers + s, supers, r), o = per_row(W->o + n * supers + s, supers, r);
+        for (int i = 0; i < m; i++) {
+            const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + (i * supers + s) * MAX_SUBS));
+            ivec v[W_ROWS];
+            __m128i vm[4];
+            for (int j = 0; j < W_ROWS; j++) v[j] = j < r ? lanes[j][i] : izero();
+            for (int j = 0; j < 4; j++) vm[j] = _mm_madd_epi16(mins[j], sums);
+            const __m128 dx = _mm_set1_ps(A->d[i * supers + s]);
+            out[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(row_sums(v)), _mm_mul_ps(d, dx), out[i]);
+            out_mins[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(vm[0], vm[1]), _mm_hadd_epi32(vm[2], vm[3]))),
+                                       _mm_mul_ps(o, dx), out_mins[i]);
         }
+    }
+    for (int i = 0; i < m; i++) {
+        float a[4], b[4];
+        _mm_storeu_ps(a, out[i]);
+        _mm_storeu_ps(b, out_mins[i]);
+        for (int j = 0; j < r; j++) acc[j * X_ROWS + i] = a[j], accm[j * X_ROWS + i] = b[j];
     }
 }
 
@@ -295,7 +316,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
 /* Many rows (a prefill): each vector's lanes are GROUP rows of x, so a super-block's scaling serves
  * GROUP outputs an instruction. x is interleaved by groups of rows, 4 values of each row in turn
  * (`xi`), and a weight row's 4 values, broadcast, meet them in one `dot4` (AVX-512 VNNI: one
- * `vpdpbusd`, 64 products); each lane runs `add_super`'s operations on its own row. */
+ * `vpdpbusd`, 64 products); each lane ends a super-block as `tile`'s lanes do, on its own row. */
 #define G_ROWS 4     /* weight rows per tile */
 #define BLOCK_NG 32  /* weight rows unpacked to a byte a value at a time */
 
