@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "quantize.h"
+#include "sums.h"
 
 #define SUB 32       /* values per sub-block: its own scale and minimum */
 #define CHUNK 64     /* values per 32 bytes of packed weights */
@@ -125,32 +126,13 @@ static inline __m128i sub_bytes(const weights *W, int64_t b) {
     return _mm_loadu_si128((const __m128i *)tail);
 }
 
-static inline int32_t hsum4_epi32(__m128i v) {
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
-}
-
-/* The integer sums of a tile's W_ROWS lane vectors, one a lane (AVX2: lanes 2 and 3 zero), taken
- * together (vectors interleaved in pairs and added, then the halves): one vector at a time, these
- * sums cost as many instructions as a decoding step's products. Integers: any order is exact. */
+/* The integer sums of a tile's W_ROWS lane vectors, one a lane (AVX2: lanes 2 and 3 zero). */
 static inline __m128i row_sums(const ivec *v) {
 #ifdef __AVX512F__
-    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
-    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
-    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+    return sums_of4(v[0], v[1], v[2], v[3]);
 #else
-    const __m256i t = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
-    const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(t, _mm256_setzero_si256()), _mm256_unpackhi_epi64(t, _mm256_setzero_si256()));
+    return sums_of2(v[0], v[1]);
 #endif
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
-/* The values at p, p + stride, ... for r weight rows, a lane each, zero past r. */
-static inline __m128 per_row(const float *p, int64_t stride, const int r) {
-    float v[4] = {0};
-    for (int j = 0; j < r; j++) v[j] = p[j * stride];
-    return _mm_loadu_ps(v);
 }
 
 /* Few rows (decoding, a draft tree): the m rows of x against r weight rows (from n) over all of k,

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "quantize.h"
+#include "sums.h"
 
 #define BLOCK 32     /* values per integer product step (one register of int8) */
 #define MAX_UNITS 4  /* steps per activation block (1, 2 or 4): blocks of at most 128 */
@@ -41,14 +42,15 @@
 #define BLOCK_N16 8  /* weight rows widened at a time, a multiple of W_ROWS */
 #define CHUNK16 2048 /* values of k widened at a time, a multiple of every activation block */
 
-/* With AVX-512 VNNI many rows of a layer in groups of 32 or more take a product whose 16 lanes are
- * 16 rows of x (`gemm_tile`). Every output of such a layer then ends each block in one scalar fma of
- * the block's exact integer sum by its two scales, on whichever path; elsewhere (the AVX2 build,
- * groups of 16) a block's 8 lanes stay apart until the end (`block_done`). Groups of 16 (GGUF's
- * Q6_K) keep the lanes: a scalar fma per 16 values made their decoding 1.5 times as slow. */
+/* With AVX-512 VNNI a layer in groups of 32 or more takes `vpdpbusd` products: few rows through
+ * tiles of 512-bit lanes (`vnni_tile`), many through a product whose 16 lanes are 16 rows of x
+ * (`gemm_tile`). Every output of such a layer ends each block in one fma of the block's exact integer
+ * sum by its two scales, on either path. Elsewhere (the AVX2 build, groups of 16) a block's 8 lanes
+ * stay apart until the end (`block_done`). Groups of 16 (GGUF's Q6_K) keep the lanes: an fma per 16
+ * values made their decoding 1.5 times as slow. */
 #ifdef __AVX512VNNI__
 #define LANES_AS_ROWS 1
-#define FEW_ROWS_LANES 4 /* rows of x up to which the int8 tiles run there */
+#define FEW_ROWS_LANES 4 /* rows of x up to which `vnni_tile` runs */
 #endif
 
 /* Rows of x quantized: their int8 values (few rows) or the same values widened to int16 (`widen`,
@@ -125,12 +127,7 @@ static inline __m256 weight_scale(const weights *W, int64_t n, int64_t b) {
     return _mm256_set1_ps(s[(b * BLOCK) >> W->group_shift]);
 }
 
-static inline int32_t hsum4_epi32(__m128i v) {
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
-}
-
-/* Whether a layer's outputs sum a block at a time in one scalar (see LANES_AS_ROWS). */
+/* Whether a layer takes the `vpdpbusd` paths, its outputs ending each block in one fma (see LANES_AS_ROWS). */
 static inline int scalar_blocks(const weights *W) {
 #ifdef LANES_AS_ROWS
     return W->group_shift > 4;
@@ -141,20 +138,9 @@ static inline int scalar_blocks(const weights *W) {
 }
 
 /* An output's accumulator after a block whose last step is b: its 8 lanes of integer sums `total`
- * meet x's scale `xd` and the weights'. Lane by lane, summed at the end; or, for `scalar_blocks`, in
- * lane 0 alone, one fma of the block's integer sum. */
+ * meet x's scale `xd` and the weights', lane by lane; the lanes are summed at the end (`hsum`). */
 static inline __m256 block_done(__m256 a, __m256i total, const float *xd, const weights *W, int64_t n, int64_t b) {
-    if (scalar_blocks(W)) {
-        const int32_t sum = hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1)));
-        const __m128 scales = _mm_mul_ss(_mm_set_ss(W->scale[n * W->groups + ((b * BLOCK) >> W->group_shift)]), _mm_set_ss(*xd));
-        return _mm256_castps128_ps256(_mm_fmadd_ss(_mm_set_ss((float)sum), scales, _mm256_castps256_ps128(a)));
-    }
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_broadcast_ss(xd), weight_scale(W, n, b)), a);
-}
-
-/* An output from its accumulator. */
-static inline float output(__m256 a, const weights *W) {
-    return scalar_blocks(W) ? _mm256_cvtss_f32(a) : hsum(a);
 }
 
 /* m rows of x against r weight rows over steps [b0, b1) (whole activation blocks), adding to the
@@ -357,7 +343,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
                 const __m256 *row_accs = accs + (m0 - m_block) / rows * block_n * rows;
                 for (int64_t n = n_start; n < n_end; n++)
                     for (int i = 0; i < m; i++)
-                        J->out[(m0 + i) * N + n] = output(row_accs[(n - n_start) * rows + i], &J->W) + (J->bias ? J->bias[n] : 0.0f);
+                        J->out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f);
             }
         }
     }
@@ -369,7 +355,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
 /* Many rows (groups of 32 or more): each vector's 16 lanes are 16 rows of x, interleaved 4 values a row
  * (as unsigned bytes, x + 128), and a weight row's 4 values, broadcast, meet them in one `vpdpbusd`
  * (64 products); a block's sum is then less 128 times the weights' own sum over it, and each lane
- * runs `block_done`'s operations on its own row. */
+ * ends the block as `vnni_tile`'s lanes do, on its own row. */
 #define GROUP 16    /* rows of x in a vector's lanes */
 #define G_ROWS 4    /* weight rows per tile */
 #define BLOCK_NG 32 /* weight rows whose sums are taken at a time */
@@ -457,6 +443,76 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     }
     free(sums);
 }
+
+/* Few rows (decoding, a draft tree) of such a layer: V_ROWS weight rows against up to FEW_ROWS_LANES
+ * rows of x, 64 products a `vpdpbusd` (x + 128 as unsigned bytes against the weights, less 128 times
+ * the weights' own sum, taken by one more `vpdpbusd` a weight row), against five instructions a 32
+ * values for the AVX2 tile. A block's lanes reduce to one integer per output, the tile's outputs of a
+ * row of x together (`sums.h`), each meeting its scales in one fma, lane by lane. */
+#define V_ROWS 4
+
+static inline __attribute__((always_inline)) void vnni_tile(const job *J, int64_t n, const int m, const int r) {
+    const weights *W = &J->W;
+    const int64_t K = J->K, size = BLOCK * J->A.units, blocks = K / size, step = size < 64 ? size : 64;
+    const __mmask64 take = step == 64 ? ~(__mmask64)0 : ((__mmask64)1 << step) - 1;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int8_t *next = W->q + (n + r) * K; /* the next tile's rows, fetched ahead as in `tile` */
+    __m128 acc[FEW_ROWS_LANES];
+    for (int i = 0; i < m; i++) acc[i] = _mm_setzero_ps();
+    for (int64_t p = 0; p < blocks; p++) {
+        __m512i lanes[V_ROWS][FEW_ROWS_LANES], offsets[V_ROWS];
+        for (int j = 0; j < r; j++) {
+            offsets[j] = _mm512_setzero_si512();
+            for (int i = 0; i < m; i++) lanes[j][i] = _mm512_setzero_si512();
+        }
+        for (int64_t k = p * size; k < (p + 1) * size; k += step) {
+            __m512i w[V_ROWS];
+            for (int j = 0; j < r; j++) {
+                _mm_prefetch((const char *)(next + j * K + k), _MM_HINT_T1);
+                w[j] = _mm512_maskz_loadu_epi8(take, W->q + (n + j) * K + k);
+                offsets[j] = _mm512_dpbusd_epi32(offsets[j], flip, w[j]);
+            }
+            for (int i = 0; i < m; i++) {
+                const __m512i x = _mm512_xor_si512(_mm512_maskz_loadu_epi8(take, J->A.q + i * K + k), flip);
+                for (int j = 0; j < r; j++) lanes[j][i] = _mm512_dpbusd_epi32(lanes[j][i], x, w[j]);
+            }
+        }
+        const __m128 scales = per_row(W->scale + n * W->groups + ((p * size) >> W->group_shift), W->groups, r);
+        for (int i = 0; i < m; i++) {
+            __m512i v[V_ROWS];
+            for (int j = 0; j < V_ROWS; j++) v[j] = j < r ? _mm512_sub_epi32(lanes[j][i], offsets[j]) : _mm512_setzero_si512();
+            acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums_of4(v[0], v[1], v[2], v[3])), _mm_mul_ps(scales, _mm_set1_ps(J->A.d[i * blocks + p])),
+                                  acc[i]);
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        float y[4];
+        _mm_storeu_ps(y, acc[i]);
+        for (int j = 0; j < r; j++) J->out[i * J->N + n + j] = y[j] + (J->bias ? J->bias[n + j] : 0.0f);
+    }
+}
+
+#define VNNI_TILES(m)                                                                                            \
+    static void vnni_full_##m(const job *J, int64_t n) { vnni_tile(J, n, m, V_ROWS); }                           \
+    static void vnni_single_##m(const job *J, int64_t n) { vnni_tile(J, n, m, 1); }
+VNNI_TILES(1) VNNI_TILES(2) VNNI_TILES(3) VNNI_TILES(4)
+typedef void (*vnni_fn)(const job *, int64_t);
+static const vnni_fn VNNI_FULL[] = {0, vnni_full_1, vnni_full_2, vnni_full_3, vnni_full_4};
+static const vnni_fn VNNI_SINGLE[] = {0, vnni_single_1, vnni_single_2, vnni_single_3, vnni_single_4};
+
+/* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for the few rows of x. */
+static void vnni_part(void *ctx, int64_t part, int64_t parts) {
+    const job *J = ctx;
+    const int64_t N = J->N, blocks = (N + BLOCK_N - 1) / BLOCK_N;
+    for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
+        const int64_t n_end = (nb + 1) * BLOCK_N < N ? (nb + 1) * BLOCK_N : N;
+        for (int64_t n = nb * BLOCK_N; n < n_end;) {
+            const int full = n + V_ROWS <= n_end;
+            (full ? VNNI_FULL : VNNI_SINGLE)[J->M](J, n);
+            n += full ? V_ROWS : 1;
+        }
+    }
+}
 #endif
 
 /* x: M x K fp32 (K a multiple of the activation block), q: N x K int8, scale: N x groups, bias: N or
@@ -468,9 +524,15 @@ void linear_quantized(const float *x, const int8_t *q, const float *scale, const
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
              .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
 #ifdef LANES_AS_ROWS
-    if (M > FEW_ROWS_LANES && scalar_blocks(&J.W)) {
+    if (scalar_blocks(&J.W)) {
         J.A.q = malloc(M * K);
         pool_run(quantize_part, &J, M < threads ? M : threads);
+        if (M <= FEW_ROWS_LANES) {
+            pool_run(vnni_part, &J, threads);
+            free(J.A.q);
+            free(J.A.d);
+            return;
+        }
         const int64_t size = BLOCK * J.A.units;
         gemm_job G = {.J = &J, .groups = (M + GROUP - 1) / GROUP};
         G.xi = aligned_alloc(64, G.groups * GROUP * K);

@@ -13,8 +13,8 @@ from rag_speculate.cpu.linear import build_linear, run_linear
 # AVX2 builds wherever AVX-512 does; AVX-512 only where torch found it.
 ISAS = ["AVX2", "AVX512"]
 DTYPES = [torch.float32, torch.bfloat16]
-# Rows beside the one checked: alone, among 1, 5, 48 and 300 others.
-BESIDE = [0, 1, 5, 48, 300]
+# Rows beside the one checked: alone, among 1, 3, 5, 48 and 300 others (tiles of 2 and 4 rows, lanes past 4).
+BESIDE = [0, 1, 3, 5, 48, 300]
 
 
 def _built(build, dtype: torch.dtype, isa: str):
