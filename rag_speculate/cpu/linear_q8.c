@@ -444,21 +444,28 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     free(sums);
 }
 
-/* Few rows (decoding, a draft tree) of such a layer: V_ROWS weight rows against up to FEW_ROWS_LANES
- * rows of x, 64 products a `vpdpbusd` (x + 128 as unsigned bytes against the weights, less 128 times
- * the weights' own sum, taken by one more `vpdpbusd` a weight row), against five instructions a 32
- * values for the AVX2 tile. A block's lanes reduce to one integer per output, the tile's outputs of a
- * row of x together (`sums.h`), each meeting its scales in one fma, lane by lane. */
+/* Few rows (decoding, a draft tree): V_ROWS weight rows against up to FEW_ROWS_LANES rows of x, 64
+ * products a `vpdpbusd` (x + 128 as unsigned bytes against the weights, less 128 times the weights'
+ * own sum, taken by one more `vpdpbusd` a weight row), against five instructions a 32 values for the
+ * AVX2 tile. Each lane sums the same 4 products as a lane of the AVX2 tile. A layer of `scalar_blocks`
+ * reduces a block's lanes to one integer per output, the tile's outputs of a row of x together
+ * (`sums.h`), each meeting its scales in one fma, lane by lane; a layer in groups of 16 (`lanewise`)
+ * takes a vector's two halves as two steps of `block_done`, 8 lanes an output. */
 #define V_ROWS 4
 
-static inline __attribute__((always_inline)) void vnni_tile(const job *J, int64_t n, const int m, const int r) {
+static inline __attribute__((always_inline)) void vnni_tile(const job *J, int64_t n, const int m, const int r, const int lanewise) {
     const weights *W = &J->W;
-    const int64_t K = J->K, size = BLOCK * J->A.units, blocks = K / size, step = size < 64 ? size : 64;
+    const int64_t K = J->K, size = lanewise ? 64 : BLOCK * J->A.units, blocks = K / size, step = size < 64 ? size : 64;
+    const int64_t scales_x = K / (BLOCK * J->A.units); /* x's scales a row */
     const __mmask64 take = step == 64 ? ~(__mmask64)0 : ((__mmask64)1 << step) - 1;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const int8_t *next = W->q + (n + r) * K; /* the next tile's rows, fetched ahead as in `tile` */
     __m128 acc[FEW_ROWS_LANES];
-    for (int i = 0; i < m; i++) acc[i] = _mm_setzero_ps();
+    __m256 lane_acc[V_ROWS][FEW_ROWS_LANES];
+    for (int i = 0; i < m; i++) {
+        acc[i] = _mm_setzero_ps();
+        for (int j = 0; j < r; j++) lane_acc[j][i] = _mm256_setzero_ps();
+    }
     for (int64_t p = 0; p < blocks; p++) {
         __m512i lanes[V_ROWS][FEW_ROWS_LANES], offsets[V_ROWS];
         for (int j = 0; j < r; j++) {
@@ -477,6 +484,24 @@ static inline __attribute__((always_inline)) void vnni_tile(const job *J, int64_
                 for (int j = 0; j < r; j++) lanes[j][i] = _mm512_dpbusd_epi32(lanes[j][i], x, w[j]);
             }
         }
+        if (lanewise) {
+            /* Steps 2p and 2p + 1: each half's scales, as `weight_scale` and `block_done` make them. */
+            const __m512i quarters = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            __m512 ws[V_ROWS];
+            for (int j = 0; j < r; j++)
+                ws[j] = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(W->scale + (n + j) * W->groups + 4 * p)));
+            for (int i = 0; i < m; i++) {
+                const float *xd = J->A.d + i * scales_x + 2 * p;
+                const __m512 xs = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(xd[0])), _mm256_castps_pd(_mm256_set1_ps(xd[1])), 1));
+                for (int j = 0; j < r; j++) {
+                    const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(lanes[j][i], offsets[j])), sc = _mm512_mul_ps(xs, ws[j]);
+                    const __m256 a = _mm256_fmadd_ps(_mm512_castps512_ps256(t), _mm512_castps512_ps256(sc), lane_acc[j][i]);
+                    lane_acc[j][i] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)),
+                                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sc), 1)), a);
+                }
+            }
+            continue;
+        }
         const __m128 scales = per_row(W->scale + n * W->groups + ((p * size) >> W->group_shift), W->groups, r);
         for (int i = 0; i < m; i++) {
             __m512i v[V_ROWS];
@@ -488,17 +513,28 @@ static inline __attribute__((always_inline)) void vnni_tile(const job *J, int64_
     for (int i = 0; i < m; i++) {
         float y[4];
         _mm_storeu_ps(y, acc[i]);
-        for (int j = 0; j < r; j++) J->out[i * J->N + n + j] = y[j] + (J->bias ? J->bias[n + j] : 0.0f);
+        for (int j = 0; j < r; j++)
+            J->out[i * J->N + n + j] = (lanewise ? hsum(lane_acc[j][i]) : y[j]) + (J->bias ? J->bias[n + j] : 0.0f);
     }
 }
 
 #define VNNI_TILES(m)                                                                                            \
-    static void vnni_full_##m(const job *J, int64_t n) { vnni_tile(J, n, m, V_ROWS); }                           \
-    static void vnni_single_##m(const job *J, int64_t n) { vnni_tile(J, n, m, 1); }
+    static void vnni_full_##m(const job *J, int64_t n) { vnni_tile(J, n, m, V_ROWS, 0); }                        \
+    static void vnni_single_##m(const job *J, int64_t n) { vnni_tile(J, n, m, 1, 0); }                           \
+    static void lanewise_full_##m(const job *J, int64_t n) { vnni_tile(J, n, m, V_ROWS, 1); }                    \
+    static void lanewise_single_##m(const job *J, int64_t n) { vnni_tile(J, n, m, 1, 1); }
 VNNI_TILES(1) VNNI_TILES(2) VNNI_TILES(3) VNNI_TILES(4)
 typedef void (*vnni_fn)(const job *, int64_t);
-static const vnni_fn VNNI_FULL[] = {0, vnni_full_1, vnni_full_2, vnni_full_3, vnni_full_4};
-static const vnni_fn VNNI_SINGLE[] = {0, vnni_single_1, vnni_single_2, vnni_single_3, vnni_single_4};
+static const vnni_fn VNNI_FULL[][FEW_ROWS_LANES + 1] = {{0, vnni_full_1, vnni_full_2, vnni_full_3, vnni_full_4},
+                                                        {0, lanewise_full_1, lanewise_full_2, lanewise_full_3, lanewise_full_4}};
+static const vnni_fn VNNI_SINGLE[][FEW_ROWS_LANES + 1] = {{0, vnni_single_1, vnni_single_2, vnni_single_3, vnni_single_4},
+                                                          {0, lanewise_single_1, lanewise_single_2, lanewise_single_3, lanewise_single_4}};
+
+/* Whether a layer's few rows take `vnni_tile`: every layer of `scalar_blocks`, and those in groups of
+ * 16 whose rows are whole 64-value steps. */
+static inline int vnni_tiles(const weights *W) {
+    return scalar_blocks(W) || (W->group_shift == 4 && W->K % 64 == 0);
+}
 
 /* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for the few rows of x. */
 static void vnni_part(void *ctx, int64_t part, int64_t parts) {
@@ -508,7 +544,7 @@ static void vnni_part(void *ctx, int64_t part, int64_t parts) {
         const int64_t n_end = (nb + 1) * BLOCK_N < N ? (nb + 1) * BLOCK_N : N;
         for (int64_t n = nb * BLOCK_N; n < n_end;) {
             const int full = n + V_ROWS <= n_end;
-            (full ? VNNI_FULL : VNNI_SINGLE)[J->M](J, n);
+            (full ? VNNI_FULL : VNNI_SINGLE)[!scalar_blocks(&J->W)][J->M](J, n);
             n += full ? V_ROWS : 1;
         }
     }
@@ -524,15 +560,17 @@ void linear_quantized(const float *x, const int8_t *q, const float *scale, const
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
              .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
 #ifdef LANES_AS_ROWS
+    if (M <= FEW_ROWS_LANES && vnni_tiles(&J.W)) {
+        J.A.q = malloc(M * K);
+        pool_run(quantize_part, &J, M < threads ? M : threads);
+        pool_run(vnni_part, &J, threads);
+        free(J.A.q);
+        free(J.A.d);
+        return;
+    }
     if (scalar_blocks(&J.W)) {
         J.A.q = malloc(M * K);
         pool_run(quantize_part, &J, M < threads ? M : threads);
-        if (M <= FEW_ROWS_LANES) {
-            pool_run(vnni_part, &J, threads);
-            free(J.A.q);
-            free(J.A.d);
-            return;
-        }
         const int64_t size = BLOCK * J.A.units;
         gemm_job G = {.J = &J, .groups = (M + GROUP - 1) / GROUP};
         G.xi = aligned_alloc(64, G.groups * GROUP * K);
