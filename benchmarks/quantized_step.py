@@ -1,7 +1,7 @@
-"""Where a quantized target's plain decoding step goes: its 4-bit layers, its int8 layers, the rest.
+"""Where a quantized target's plain decoding step goes: its 4-bit, 6-bit and int8 layers, the rest.
 
 The packaged 1.5B through `from_pretrained(quantization=...)` (the GGUF file's own tensors by default:
-Q4_K as 4 bits, Q6_K held as int8), decoding plainly (`draft_budget=0`) after a short prompt, so a
+Q4_K as 4 bits, Q6_K as 6 bits a byte each), decoding plainly (`draft_budget=0`) after a short prompt, so a
 step is one row through every layer. Every quantized layer's kernel call is timed by the weights'
 format; the rest of a step is the step's time less those. Prints ms a step and the bytes each
 format's layers read a step (the output layer included), with the CPU.
@@ -31,32 +31,34 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = SpeculativeEngine.from_pretrained(MODEL, device="cpu", quantization=args.quantization, draft_budget=0, prompt_cache_bytes=0)
-    seconds = {"q4": 0.0, "q8": 0.0}
+    formats = {"q4": "4-bit layers", "q6": "6-bit layers", "q8": "int8 layers"}
+    seconds = dict.fromkeys(formats, 0.0)
     run = layer.run_quantized
 
-    def timed(library, x, q, *rest, **options):
+    def timed(library, x, q, scale, offset, group_shift, out_features, bias, sub=None):
         start = time.perf_counter()
-        out = run(library, x, q, *rest, **options)
-        seconds["q8" if q.dtype == torch.int8 else "q4"] += time.perf_counter() - start
+        out = run(library, x, q, scale, offset, group_shift, out_features, bias, sub)
+        # The format as run_quantized tells them apart: int8 values, or q6's signed sub-block scales.
+        seconds["q8" if q.dtype == torch.int8 else "q6" if sub.dtype == torch.int8 else "q4"] += time.perf_counter() - start
         return out
 
     layer.run_quantized = timed  # every QuantizedLinear calls the kernel through this module's name
     prompt = list(range(1000, 1008))
     engine.generate(prompt, max_new_tokens=4)  # kernels built, cost curve timed
-    seconds.update(q4=0.0, q8=0.0)
+    seconds.update(dict.fromkeys(formats, 0.0))
     stats = engine.generate([t + 1 for t in prompt], max_new_tokens=args.steps + 1).stats
     steps = stats.target_forwards - 1  # the first forward is the prompt's
-    read = {"q4": 0, "q8": 0}
+    read = dict.fromkeys(formats, 0)
     for module in engine.model.modules():
         if isinstance(module, layer.QuantizedLinear):
             read[module.format] += module.weight.nbytes
     step_ms = 1e3 * stats.decode_s / steps
     print(f"{device_name(torch.device('cpu'))}, {args.threads} threads, {MODEL} quantization={args.quantization}, {steps} plain steps")
     print("| per step | ms | MB read |\n|---|---:|---:|")
-    for fmt, name in (("q4", "4-bit layers"), ("q8", "int8 layers")):
+    for fmt, name in formats.items():
         print(f"| {name} | {1e3 * seconds[fmt] / steps:.1f} | {read[fmt] / 1e6:.0f} |")
-    print(f"| the rest | {step_ms - 1e3 * (seconds['q4'] + seconds['q8']) / steps:.1f} | |")
-    print(f"| the step | {step_ms:.1f} | {(read['q4'] + read['q8']) / 1e6:.0f} |")
+    print(f"| the rest | {step_ms - 1e3 * sum(seconds.values()) / steps:.1f} | |")
+    print(f"| the step | {step_ms:.1f} | {sum(read.values()) / 1e6:.0f} |")
 
 
 if __name__ == "__main__":

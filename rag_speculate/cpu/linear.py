@@ -97,11 +97,12 @@ def _plain(tensor: torch.Tensor) -> bool:
 @functools.cache
 def linear_library(dtype: torch.dtype = torch.float32, weights: str = "") -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel for activations of `dtype` and weights in `dtype` ("") or a quantized
-    format ("q8", "q4"), built into the cache on first use; or None and why not."""
+    format ("q8", "q4", or "q6", which the 4-bit kernel serves), built into the cache on first use;
+    or None and why not."""
     capability = torch.backends.cpu.get_cpu_capability()
     if weights == "q8":
         return build_linear_q8(_Q8_SOURCE, capability)
-    if weights == "q4":
+    if weights in ("q4", "q6"):
         return build_linear_q4(_Q4_SOURCE, capability)
     return build_linear(_SOURCE, dtype, capability)
 
@@ -167,7 +168,7 @@ def build_linear_q4(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, st
     vnni = "-vnni" if "-mavx512vnni" in flags else ""
     lib, reason = compile_kernel(source_path, flags, f"linear-q4-{isa.lower()}{vnni}", "the 4-bit kernel")
     if lib is not None:
-        lib.linear_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.linear_q4.restype = None
     return lib, reason
 
@@ -187,15 +188,18 @@ def run_quantized(
     int8 row by row (fp32 in and out, so bf16 is widened first): q8 values `q` [out, in] int8 with an
     fp32 `scale` per group of 2**group_shift (`linear_q8.c`); or q4 values packed [out, in / 2] uint8
     in super-blocks of 2**group_shift, each with an fp32 `scale` (d) and `offset`, and per sub-block of
-    32 a 6-bit scale and minimum in `sub` (`linear_q4.c`)."""
+    32 a 6-bit scale and minimum in `sub` uint8; or q6 values [out, in] uint8 in super-blocks of 256,
+    with d and offset, and per sub-block of 16 a signed scale in `sub` int8 (`linear_q4.c`)."""
     _check_cpu_tensors("the linear kernel", x.dtype, x, bias)
     features = x.shape[-1]
-    int8 = q.dtype == torch.int8
-    per_row, block = (features, activation_block(group_shift)) if int8 else (features // 2, 1 << group_shift)
-    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % block or (not int8 and block not in Q4_SIZES):
+    int8, q6 = q.dtype == torch.int8, sub is not None and sub.dtype == torch.int8
+    per_row, block = (features, activation_block(group_shift)) if int8 else (features, 256) if q6 else (features // 2, 1 << group_shift)
+    sizes = (256,) if q6 else Q4_SIZES
+    if q.shape != (out_features, per_row) or not q.is_contiguous() or features % block or (not int8 and 1 << group_shift not in sizes):
         raise ValueError(f"quantized weights of shape {tuple(q.shape)} do not take {features} features")
     if not int8 and (sub is None or sub.shape != (out_features, features // 16) or not sub.is_contiguous()):
-        raise ValueError(f"4-bit weights need a 6-bit scale and minimum for every 32 of their {features} features")
+        what = "an 8-bit scale for every 16" if q6 else "a 6-bit scale and minimum for every 32"
+        raise ValueError(f"{'6' if q6 else '4'}-bit weights need {what} of their {features} features")
     rows = x.numel() // features
     flat = x.reshape(rows, features).to(torch.float32).contiguous()
     bias = None if bias is None else bias.to(torch.float32).contiguous()
@@ -204,7 +208,7 @@ def run_quantized(
     if int8:
         library.linear_quantized(flat.data_ptr(), q.data_ptr(), scale.data_ptr(), None, group_shift, *rest)
     else:
-        library.linear_q4(flat.data_ptr(), q.data_ptr(), sub.data_ptr(), scale.data_ptr(), offset.data_ptr(), 1 << group_shift, *rest)
+        library.linear_q4(flat.data_ptr(), q.data_ptr(), sub.data_ptr(), scale.data_ptr(), offset.data_ptr(), 1 << group_shift, q6, *rest)
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 

@@ -1,5 +1,6 @@
-/* y = x W^T (+ b) with 4-bit weights and int8 activations, fp32 in and out, for any number of rows of
- * x, each row summed the same way whatever the others: integer products, as llama.cpp's Q4_K x Q8_K.
+/* y = x W^T (+ b) with 4-bit (or 6-bit) weights and int8 activations, fp32 in and out, for any number
+ * of rows of x, each row summed the same way whatever the others: integer products, as llama.cpp's
+ * Q4_K x Q8_K (and Q6_K x Q8_K).
  *
  * The weights: GGUF's Q4_K, as llama.cpp reads it. A row is cut into super-blocks of S values (256,
  * as Q4_K; 128 or 64 where the inputs are not a multiple of 256), each into sub-blocks of 32 with a
@@ -11,6 +12,11 @@
  *     y += dx d (sum over sub-blocks of sc * (q . qx))  +  dx o (sum over sub-blocks of m * sum(qx)),
  * both sums exact integers (q is unsigned, so `maddubs` multiplies it with qx directly; the scales
  * then multiply the pair sums as 16-bit integers, as llama.cpp's kernels do).
+ *
+ * GGUF's Q6_K takes the same path (`q6`): values q in [0, 63] a byte each, sub-blocks of 16 with a
+ * signed 8-bit scale sc, w = d sc (q - 32); so m = sc and o = -32 d in the sum above. Held this way
+ * (8.6 bits a weight; the file's 6.6) rather than as int8 in groups of 16, a super-block ends in one
+ * fma per output, not one per 16 values.
  *
  * The invariant: y[m][n] is the same sequence of operations on the same inputs, whatever M and
  * whatever rows sit beside m. Per super-block, s = 0, 1, 2, ... in order, its two integer sums (exact,
@@ -34,9 +40,8 @@
 #include "quantize.h"
 #include "sums.h"
 
-#define SUB 32       /* values per sub-block: its own scale and minimum */
-#define CHUNK 64     /* values per 32 bytes of packed weights */
-#define MAX_SUBS 8   /* sub-blocks per super-block, at most (256 values) */
+#define CHUNK 64     /* values a step: 32 bytes of Q4_K, 64 of Q6_K */
+#define MAX_SUBS 16  /* sub-blocks per super-block, at most (Q6_K's 16 of 16) */
 #define BLOCK_N 64   /* weight rows per cache block */
 
 /* Vectors of 32-bit lanes: the tiles' integer lanes, and the rows-as-lanes product's rows (GROUP of
@@ -95,16 +100,17 @@ typedef __m256 fvec;
 #endif
 
 typedef struct {
-    const uint8_t *qs;  /* N x K/2 */
-    const uint8_t *sub; /* N x supers x 2 subs: the scales, then the minimums */
+    const uint8_t *qs;  /* Q4_K: N x K/2, packed; Q6_K: N x K */
+    const uint8_t *sub; /* N x supers x `sub_stride`: Q4_K's subs scales, then subs minimums; Q6_K's 16 signed scales */
     const float *d, *o; /* N x supers */
-    int64_t K, size, supers, subs;
+    int64_t K, size, supers, subs, sub_stride, row_bytes;
+    int q6;
     const uint8_t *sub_end; /* past the last byte of `sub` */
-    __m128i mins;           /* a byte shuffle taking the minimums from a super-block's 16 bytes, zero past them */
+    __m128i mins;           /* Q4_K: a byte shuffle taking the minimums from a super-block's 16 bytes, zero past them */
 } weights;
 
 /* Rows of x quantized: int8 values, per super-block the scale, and per sub-block the values' sum
- * (8 int16 per super-block, zero past its sub-blocks). */
+ * (MAX_SUBS int16 per super-block, zero past its sub-blocks). */
 typedef struct {
     int8_t *q;
     float *d;
@@ -119,11 +125,26 @@ static inline __m128i pick(int e) {
 /* The 16 bytes from super-block b's scales on (its scales and minimums, and whatever follows): read in
  * place, or, for the last few of the whole tensor, copied, not to read past its end. */
 static inline __m128i sub_bytes(const weights *W, int64_t b) {
-    const uint8_t *p = W->sub + b * 2 * W->subs;
+    const uint8_t *p = W->sub + b * W->sub_stride;
     if (p + 16 <= W->sub_end) return _mm_loadu_si128((const __m128i *)p);
     uint8_t tail[16] = {0};
     memcpy(tail, p, W->sub_end - p);
     return _mm_loadu_si128((const __m128i *)tail);
+}
+
+/* A super-block's minimums (Q4_K's m, Q6_K's scales) times x's sums per sub-block, as 4 int32 to be summed. */
+static inline __m128i mins_dot(const weights *W, __m128i sub, const int16_t *sums, const int q6) {
+    if (q6) {
+        const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sub), _mm256_loadu_si256((const __m256i *)sums));
+        return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    }
+    return _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_shuffle_epi8(sub, W->mins)), _mm_loadu_si128((const __m128i *)sums));
+}
+
+/* A control that puts 16-bit element e of the first 128-bit lane, e + 1 of the second, ... in all 8
+ * places of its lane (Q6_K: a 128-bit lane's 16 values are one sub-block). */
+static inline __m256i pick2(int e) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(pick(e)), pick(e + 1), 1);
 }
 
 /* The integer sums of a tile's W_ROWS lane vectors, one a lane (AVX2: lanes 2 and 3 zero). */
@@ -141,17 +162,18 @@ static inline __m128i row_sums(const ivec *v) {
  * minimums another; each meets its scales in one fma, the tile's r outputs of a row of x side by
  * side in one vector's lanes (the lanes of `gemm_tile` do the same operations). */
 static inline __attribute__((always_inline)) void tile(const acts *A, const weights *W, int64_t n, float *acc, float *accm,
-                                                       const int m, const int r) {
-    const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK;
+                                                       const int m, const int r, const int q6) {
+    const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK, row_bytes = W->row_bytes;
     const __m256i nibble = _mm256_set1_epi8(15);
     __m128 out[X_ROWS], out_mins[X_ROWS];
     for (int i = 0; i < m; i++) out[i] = out_mins[i] = _mm_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         __m128i sub[W_ROWS];
-        ivec scales[W_ROWS];
+        ivec scales[W_ROWS], scales_hi[W_ROWS]; /* the sub-blocks' scales as int16, 8 (Q6_K: the first 8, then the last) in each 128-bit lane */
         for (int j = 0; j < r; j++) {
             sub[j] = sub_bytes(W, (n + j) * supers + s);
-            scales[j] = spread(_mm_cvtepu8_epi16(sub[j]));
+            scales[j] = spread(q6 ? _mm_cvtepi8_epi16(sub[j]) : _mm_cvtepu8_epi16(sub[j]));
+            if (q6) scales_hi[j] = spread(_mm_cvtepi8_epi16(_mm_srli_si128(sub[j], 8)));
         }
         ivec lanes[W_ROWS][X_ROWS];
         for (int j = 0; j < r; j++)
@@ -160,14 +182,23 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
             const int64_t at = s * S + c * CHUNK;
             /* The next tile's r rows, 32 bytes of each a step, fetched ahead: the hardware's prefetcher
              * misses rows read side by side. */
-            for (int j = 0; j < r; j++) _mm_prefetch((const char *)(W->qs + (n + r + j) * (K / 2) + at / 2), _MM_HINT_T1);
+            const int64_t byte = q6 ? at : at / 2;
+            for (int j = 0; j < r; j++) _mm_prefetch((const char *)(W->qs + (n + r + j) * row_bytes + byte), _MM_HINT_T1);
 #ifdef __AVX512F__
-            /* The 32 bytes twice: the low half keeps the low nibbles (values 0-31), the high half the high ones (32-63). */
+            /* Q4_K: the 32 bytes twice, the low half keeping the low nibbles (values 0-31, sub-block 2c),
+             * the high half the high ones (32-63, 2c + 1). Q6_K: 64 bytes, sub-blocks 4c to 4c + 3. */
             const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-            const __m512i ctrl = _mm512_inserti64x4(_mm512_broadcast_i32x4(pick(2 * c)), _mm256_broadcastsi128_si256(pick(2 * c + 1)), 1);
+            const __m512i ctrl = q6 ? _mm512_inserti64x4(_mm512_castsi256_si512(pick2(4 * (c % 2))), pick2(4 * (c % 2) + 2), 1)
+                                    : _mm512_inserti64x4(_mm512_broadcast_i32x4(pick(2 * c)), _mm256_broadcastsi128_si256(pick(2 * c + 1)), 1);
             __m512i w[W_ROWS], sc[W_ROWS];
             for (int j = 0; j < r; j++) {
-                const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(W->qs + (n + j) * (K / 2) + at / 2)));
+                const uint8_t *row = W->qs + (n + j) * row_bytes + byte;
+                if (q6) {
+                    w[j] = _mm512_loadu_si512(row);
+                    sc[j] = _mm512_shuffle_epi8(c < 2 ? scales[j] : scales_hi[j], ctrl);
+                    continue;
+                }
+                const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)row));
                 w[j] = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_broadcast_i64x4(nibble));
                 sc[j] = _mm512_shuffle_epi8(scales[j], ctrl);
             }
@@ -176,14 +207,19 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
                 for (int j = 0; j < r; j++) lanes[j][i] = dot2(lanes[j][i], _mm512_maddubs_epi16(w[j], x), sc[j]);
             }
 #else
-            const __m256i ctrl_lo = _mm256_broadcastsi128_si256(pick(2 * c)), ctrl_hi = _mm256_broadcastsi128_si256(pick(2 * c + 1));
+            /* Values 0-31 and 32-63: Q4_K's low and high nibbles (sub-blocks 2c, 2c + 1), Q6_K's bytes
+             * (sub-blocks 4c and 4c + 1, then 4c + 2 and 4c + 3, a 128-bit lane each). */
+            const __m256i ctrl_lo = q6 ? pick2(4 * (c % 2)) : _mm256_broadcastsi128_si256(pick(2 * c));
+            const __m256i ctrl_hi = q6 ? pick2(4 * (c % 2) + 2) : _mm256_broadcastsi128_si256(pick(2 * c + 1));
             __m256i lo[W_ROWS], hi[W_ROWS], sc_lo[W_ROWS], sc_hi[W_ROWS];
             for (int j = 0; j < r; j++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(W->qs + (n + j) * (K / 2) + at / 2));
-                lo[j] = _mm256_and_si256(raw, nibble);
-                hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-                sc_lo[j] = _mm256_shuffle_epi8(scales[j], ctrl_lo);
-                sc_hi[j] = _mm256_shuffle_epi8(scales[j], ctrl_hi);
+                const uint8_t *row = W->qs + (n + j) * row_bytes + byte;
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)row);
+                lo[j] = q6 ? raw : _mm256_and_si256(raw, nibble);
+                hi[j] = q6 ? _mm256_loadu_si256((const __m256i *)(row + 32)) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                const __m256i half = q6 && c >= 2 ? scales_hi[j] : scales[j];
+                sc_lo[j] = _mm256_shuffle_epi8(half, ctrl_lo);
+                sc_hi[j] = _mm256_shuffle_epi8(half, ctrl_hi);
             }
             for (int i = 0; i < m; i++) {
                 const __m256i x0 = _mm256_loadu_si256((const __m256i *)(A->q + i * K + at));
@@ -196,15 +232,13 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
             }
 #endif
         }
-        __m128i mins[4] = {0};
-        for (int j = 0; j < r; j++) mins[j] = _mm_cvtepu8_epi16(_mm_shuffle_epi8(sub[j], W->mins));
         const __m128 d = per_row(W->d + n * supers + s, supers, r), o = per_row(W->o + n * supers + s, supers, r);
         for (int i = 0; i < m; i++) {
-            const __m128i sums = _mm_loadu_si128((const __m128i *)(A->sums + (i * supers + s) * MAX_SUBS));
+            const int16_t *sums = A->sums + (i * supers + s) * MAX_SUBS;
             ivec v[W_ROWS];
             __m128i vm[4];
             for (int j = 0; j < W_ROWS; j++) v[j] = j < r ? lanes[j][i] : izero();
-            for (int j = 0; j < 4; j++) vm[j] = _mm_madd_epi16(mins[j], sums);
+            for (int j = 0; j < 4; j++) vm[j] = j < r ? mins_dot(W, sub[j], sums, q6) : _mm_setzero_si128();
             const __m128 dx = _mm_set1_ps(A->d[i * supers + s]);
             out[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(row_sums(v)), _mm_mul_ps(d, dx), out[i]);
             out_mins[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(vm[0], vm[1]), _mm_hadd_epi32(vm[2], vm[3]))),
@@ -219,18 +253,23 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
     }
 }
 
-#define TILES(m)                                                                                                          \
-    static void full_##m(const acts *A, const weights *W, int64_t n, float *acc, float *accm) { tile(A, W, n, acc, accm, m, W_ROWS); } \
-    static void single_##m(const acts *A, const weights *W, int64_t n, float *acc, float *accm) { tile(A, W, n, acc, accm, m, 1); }
+#define TILES(m, f, q6)                                                                                                  \
+    static void full_##f##_##m(const acts *A, const weights *W, int64_t n, float *acc, float *accm) {                      \
+        tile(A, W, n, acc, accm, m, W_ROWS, q6);                                                                           \
+    }                                                                                                                      \
+    static void single_##f##_##m(const acts *A, const weights *W, int64_t n, float *acc, float *accm) {                    \
+        tile(A, W, n, acc, accm, m, 1, q6);                                                                                \
+    }
 typedef void (*tile_fn)(const acts *, const weights *, int64_t, float *, float *);
-TILES(1) TILES(2) TILES(3)
+TILES(1, q4, 0) TILES(2, q4, 0) TILES(3, q4, 0) TILES(1, q6, 1) TILES(2, q6, 1) TILES(3, q6, 1)
 #if X_ROWS == 4
-TILES(4)
-static const tile_fn FULL[] = {0, full_1, full_2, full_3, full_4};
-static const tile_fn SINGLE[] = {0, single_1, single_2, single_3, single_4};
+TILES(4, q4, 0) TILES(4, q6, 1)
+static const tile_fn FULL[][X_ROWS + 1] = {{0, full_q4_1, full_q4_2, full_q4_3, full_q4_4}, {0, full_q6_1, full_q6_2, full_q6_3, full_q6_4}};
+static const tile_fn SINGLE[][X_ROWS + 1] = {{0, single_q4_1, single_q4_2, single_q4_3, single_q4_4},
+                                             {0, single_q6_1, single_q6_2, single_q6_3, single_q6_4}};
 #else
-static const tile_fn FULL[] = {0, full_1, full_2, full_3};
-static const tile_fn SINGLE[] = {0, single_1, single_2, single_3};
+static const tile_fn FULL[][X_ROWS + 1] = {{0, full_q4_1, full_q4_2, full_q4_3}, {0, full_q6_1, full_q6_2, full_q6_3}};
+static const tile_fn SINGLE[][X_ROWS + 1] = {{0, single_q4_1, single_q4_2, single_q4_3}, {0, single_q6_1, single_q6_2, single_q6_3}};
 #endif
 
 /* One call's work, shared with the pool's parts (`pool.c`). */
@@ -261,12 +300,16 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
             __m256 inv;
             J->A.d[i * supers + s] = block_scale(block_amax(x, S), &inv);
             memset(sums, 0, sizeof(int16_t) * MAX_SUBS);
-            for (int64_t b = 0; b < S / SUB; b++) {
-                const __m256i v = quantize_step(x + b * SUB, inv);
-                _mm256_storeu_si256((__m256i *)(q + b * SUB), v);
-                /* 32 values of at most 127 sum within int16. */
+            for (int64_t b = 0; b < S / 32; b++) {
+                const __m256i v = quantize_step(x + b * 32, inv);
+                _mm256_storeu_si256((__m256i *)(q + b * 32), v);
+                /* 32 values of at most 127 sum within int16: per sub-block of 32 (Q4_K), or of 16 (Q6_K: a 128-bit lane each). */
                 const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-                sums[b] = (int16_t)hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1)));
+                const __m128i lo = _mm256_castsi256_si128(pairs), hi = _mm256_extracti128_si256(pairs, 1);
+                if (J->W.q6)
+                    sums[2 * b] = (int16_t)hsum4_epi32(lo), sums[2 * b + 1] = (int16_t)hsum4_epi32(hi);
+                else
+                    sums[b] = (int16_t)hsum4_epi32(_mm_add_epi32(lo, hi));
             }
         }
 }
@@ -284,7 +327,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
         for (int64_t n = n_start; n < n_end;) {
             const int full = n + W_ROWS <= n_end;
             const int64_t at = (n - n_start) * X_ROWS;
-            (full ? FULL : SINGLE)[M](&J->A, &J->W, n, acc + at, accm + at);
+            (full ? FULL : SINGLE)[J->W.q6][M](&J->A, &J->W, n, acc + at, accm + at);
             n += full ? W_ROWS : 1;
         }
         for (int64_t n = n_start; n < n_end; n++)
@@ -343,23 +386,31 @@ static void interleave_part(void *ctx, int64_t part, int64_t parts) {
         }
 }
 
+/* Sub-block b's scale (`mins` 0) or minimum (1) from a super-block's bytes: Q4_K's unsigned scales, then
+ * minimums; Q6_K's signed scales, which serve as both. */
+static inline int32_t scale_of(const uint8_t *sub, int64_t b, int64_t subs, const int mins, const int q6) {
+    return q6 ? (int8_t)sub[b] : sub[b + (mins ? subs : 0)];
+}
+
 /* Group g of x against r weight rows from n (their values a byte each in `wu`, K apart) over all of k. */
-static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu, const int r) {
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu, const int r,
+                                                            const int q6) {
     const job *J = G->J;
     const weights *W = &J->W;
     const int64_t K = W->K, S = W->size, supers = W->supers, subs = W->subs, pairs = subs / 2;
+    const int size = q6 ? 16 : 32; /* values per sub-block */
     const ivec *xg = (const ivec *)(G->L.xi + g * K * GROUP);
     fvec acc[G_ROWS], accm[G_ROWS];
     for (int j = 0; j < r; j++) acc[j] = fzero(), accm[j] = fzero();
     for (int64_t s = 0; s < supers; s++) {
         ivec total[G_ROWS], mins[G_ROWS];
         const uint8_t *sub[G_ROWS];
-        for (int j = 0; j < r; j++) total[j] = mins[j] = izero(), sub[j] = W->sub + ((n + j) * supers + s) * 2 * subs;
+        for (int j = 0; j < r; j++) total[j] = mins[j] = izero(), sub[j] = W->sub + ((n + j) * supers + s) * W->sub_stride;
         for (int64_t b = 0; b < subs; b++) {
             ivec part[G_ROWS];
             for (int j = 0; j < r; j++) part[j] = izero();
-            const int64_t k0 = s * S + b * SUB;
-            for (int t = 0; t < SUB / 4; t++) {
+            const int64_t k0 = s * S + b * size;
+            for (int t = 0; t < size / 4; t++) {
                 const ivec x = iload(xg + k0 / 4 + t);
                 for (int j = 0; j < r; j++) {
                     int32_t w;
@@ -367,11 +418,14 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, i
                     part[j] = dot4(part[j], iset1(w), x);
                 }
             }
-            for (int j = 0; j < r; j++) total[j] = iadd(total[j], imul(part[j], iset1(sub[j][b])));
+            for (int j = 0; j < r; j++) total[j] = iadd(total[j], imul(part[j], iset1(scale_of(sub[j], b, subs, 0, q6))));
         }
         for (int64_t p = 0; p < pairs; p++) {
             const ivec sums = iload((const ivec *)(G->L.sums + ((g * supers + s) * pairs + p) * GROUP));
-            for (int j = 0; j < r; j++) mins[j] = dot2(mins[j], sums, iset1(sub[j][subs + 2 * p] | (sub[j][subs + 2 * p + 1] << 16)));
+            for (int j = 0; j < r; j++) {
+                const uint32_t lo = (uint16_t)scale_of(sub[j], 2 * p, subs, 1, q6), hi = (uint16_t)scale_of(sub[j], 2 * p + 1, subs, 1, q6);
+                mins[j] = dot2(mins[j], sums, iset1((int32_t)(lo | hi << 16)));
+            }
         }
         const fvec dx = fload(G->L.d + (g * supers + s) * GROUP);
         for (int j = 0; j < r; j++) {
@@ -386,20 +440,26 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, i
     }
 }
 
-static void gemm_full(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, G_ROWS); }
-static void gemm_single(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, 1); }
+typedef void (*gemm_fn)(const gemm_job *, int64_t, int64_t, const uint8_t *);
+static void gemm_full_q4(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, G_ROWS, 0); }
+static void gemm_single_q4(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, 1, 0); }
+static void gemm_full_q6(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, G_ROWS, 1); }
+static void gemm_single_q6(const gemm_job *G, int64_t g, int64_t n, const uint8_t *wu) { gemm_tile(G, g, n, wu, 1, 1); }
+static const gemm_fn GEMM_FULL[] = {gemm_full_q4, gemm_full_q6}, GEMM_SINGLE[] = {gemm_single_q4, gemm_single_q6};
 
 /* Part `part` of `parts`: its share of the blocks of BLOCK_NG weight rows, unpacked a byte a value
- * once, against every group of x. */
+ * once (Q6_K's are bytes already), against every group of x. */
 static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     const gemm_job *G = ctx;
     const job *J = G->J;
     const int64_t K = J->W.K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG;
     const __m256i nibble = _mm256_set1_epi8(15);
-    uint8_t *wu = vec_alloc(BLOCK_NG * K);
+    const int q6 = J->W.q6;
+    uint8_t *wu = q6 ? NULL : vec_alloc(BLOCK_NG * K);
     for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
         const int64_t n0 = nb * BLOCK_NG, n1 = n0 + BLOCK_NG < N ? n0 + BLOCK_NG : N;
-        for (int64_t n = n0; n < n1; n++)
+        const uint8_t *values = q6 ? J->W.qs + n0 * K : wu;
+        for (int64_t n = n0; n < n1 && !q6; n++)
             for (int64_t at = 0; at < K; at += CHUNK) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(J->W.qs + n * (K / 2) + at / 2));
                 _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at), _mm256_and_si256(raw, nibble));
@@ -408,19 +468,21 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
         for (int64_t g = 0; g < G->L.groups; g++)
             for (int64_t n = n0; n < n1;) {
                 const int full = n + G_ROWS <= n1;
-                (full ? gemm_full : gemm_single)(G, g, n, wu + (n - n0) * K);
+                (full ? GEMM_FULL : GEMM_SINGLE)[q6](G, g, n, values + (n - n0) * K);
                 n += full ? G_ROWS : 1;
             }
     }
     free(wu);
 }
 
-/* x: M x K fp32, qs: N x K/2, sub: N x supers x 2 (K / 32 per row) bytes, d and o: N x supers, bias:
- * N or NULL, out: M x N; super-blocks of `size` values (64, 128 or 256), K a multiple of it. */
-void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, const float *bias,
-               float *out, int64_t M, int64_t N, int64_t K, int threads) {
+/* x: M x K fp32; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs (K / 16 a row) bytes; Q6_K (q6 1):
+ * qs N x K, sub N x K / 16 signed bytes; d and o: N x supers, bias: N or NULL, out: M x N; super-blocks
+ * of `size` values (Q4_K: 64, 128 or 256; Q6_K: 256), K a multiple of it. */
+void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
+               const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N,
-             .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / SUB,
+             .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / (q6 ? 16 : 32),
+                   .sub_stride = q6 ? size / 16 : 2 * (size / 32), .row_bytes = q6 ? K : K / 2, .q6 = q6,
                    .sub_end = sub + N * (K / 16)}};
     uint8_t take[16];
     for (int i = 0; i < 16; i++) take[i] = i < J.W.subs ? (uint8_t)(J.W.subs + i) : 0x80;

@@ -1,6 +1,6 @@
-"""Quantized formats the CPU kernels read (`cpu/linear_q8.c`, `cpu/linear.c`), and how weights get there.
+"""Quantized formats the CPU kernels read (`cpu/linear_q8.c`, `cpu/linear_q4.c`), and how weights get there.
 
-Two formats, both multiplied by int8 activations: each row of x is quantized on its own, per block
+Three formats, all multiplied by int8 activations: each row of x is quantized on its own, per block
 (`quantize_activations`), so the products are integer dot products, scaled once a block:
 
 - q8: int8 values with a scale per group of 2**group_shift values along a row, w = scale * q; the
@@ -10,7 +10,10 @@ Two formats, both multiplied by int8 activations: each row of x is quantized on 
   need it), each with an fp32 scale d and offset o, cut into sub-blocks of 32 with a 6-bit scale sc
   and minimum m (`sub`: the super-block's scales, then its minimums): w = d sc q + o m, q in [0, 15],
   two to a byte as Q4_K packs them (each 64 values in 32 bytes, the first 32 in the low nibbles);
-  the activations in blocks of the super-block, as llama.cpp's Q8_K.
+  the activations in blocks of the super-block, as llama.cpp's Q8_K;
+- q6: GGUF's Q6_K, which only GGUF files hold (`quantization/gguf.py`): super-blocks of 256 with an
+  fp32 d, sub-blocks of 16 with a signed 8-bit scale sc (`sub`), w = d sc (q - 32), q in [0, 63] a
+  byte each; the 4-bit kernel runs it as q4 with m = sc and o = -32 d (`offset`).
 
 Either way a row's result depends on that row alone, so speculation over a quantized model gives
 exactly what `generate` of the same quantized model gives. Scales are fp32, so a GGUF file's blocks
@@ -43,13 +46,14 @@ INT8_GROUPS = (128, 64, 32)
 class QuantizedWeight:
     """A [out_features, in_features] weight in one of the kernel's formats, on the CPU."""
 
-    format: str  # "q8" or "q4"
-    values: torch.Tensor  # q8: int8 [out, in] in [-128, 127]; q4: uint8 [out, in / 2], packed
+    format: str  # "q8", "q4" or "q6"
+    values: torch.Tensor  # q8: int8 [out, in] in [-128, 127]; q4: uint8 [out, in / 2], packed; q6: uint8 [out, in] in [0, 63]
     scale: torch.Tensor  # fp32 [out, groups]
-    offset: torch.Tensor | None  # fp32 [out, groups] for q4, else None
+    offset: torch.Tensor | None  # fp32 [out, groups] for q4 and q6, else None
     group_shift: int
     shape: tuple[int, int]
-    sub: torch.Tensor | None = None  # q4: uint8 [out, in / 16], per super-block its sub-blocks' scales, then minimums
+    # [out, in / 16]: q4 uint8, per super-block its sub-blocks' scales, then minimums; q6 int8, its sub-blocks' scales
+    sub: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
@@ -123,13 +127,17 @@ def fits(in_features: int, method: str, group: int | None = None) -> str:
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """The fp32 weights the kernels multiply by: for q4, each w = d sc q + o m rounded once from its
-    exact value, as llama.cpp dequantizes Q4_K."""
+    """The fp32 weights the kernels multiply by: for q4 and q6, each w = d sc q + o m rounded once
+    from its exact value, as llama.cpp dequantizes Q4_K and Q6_K."""
     out_features, in_features = weight.shape
     group = min(1 << weight.group_shift, in_features)
     if weight.format == "q8":
         scale = weight.scale.repeat_interleave(group, dim=1)[:, :in_features]
         return weight.values.to(torch.float32) * scale
+    if weight.format == "q6":
+        d = weight.scale.to(torch.float64).repeat_interleave(group, dim=1)
+        sc = weight.sub.to(torch.float64).repeat_interleave(16, dim=1)
+        return (d * sc * (weight.values.to(torch.float64) - 32)).to(torch.float32)
     subs = group // SUB
     sub = weight.sub.reshape(out_features, -1, 2, subs).to(torch.float64)
     # Per sub-block: d sc and o m, then each of its 32 values; exact in float64, rounded once.
@@ -139,7 +147,7 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def input_block(fmt: str, group_shift: int) -> int:
-    """Values per activation scale for a layer of format `fmt`: q8's `activation_block`, q4's super-block."""
+    """Values per activation scale for a layer of format `fmt`: q8's `activation_block`, q4's and q6's super-block."""
     return activation_block(group_shift) if fmt == "q8" else 1 << group_shift
 
 

@@ -1,11 +1,12 @@
 """The kernels' invariant, checked directly: a row computed alone equals the same row computed among
-others, bit for bit, for the linear kernel (plain, int8 and 4-bit weights) and the attention kernel,
+others, bit for bit, for the linear kernel (plain, int8, 4-bit and GGUF's 6-bit weights) and the attention kernel,
 fp32 and bf16, on every instruction set this CPU can build them for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_q6
 
 from rag_speculate.cpu.attention import build_attention, run_attention
 from rag_speculate.cpu.linear import build_linear, run_linear
@@ -55,6 +56,9 @@ def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
         ("int4", (1536, 256), None),
         ("int4", (37, 4608), 256),
         ("int4", (37, 4160), 64),
+        # GGUF's Q6_K through the 4-bit kernel.
+        ("q6", (1536, 256), None),
+        ("q6", (37, 4608), None),
     ],
 )
 def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, shape, group, dtype, isa):
@@ -66,7 +70,7 @@ def test_a_quantized_linear_row_is_the_same_among_any_other_rows(method, shape, 
     else:
         library = _built(lambda d, i: build_linear_q4(_Q4_SOURCE, i), dtype, isa)
     generator = torch.Generator().manual_seed(0)
-    weight = quantize(torch.randn(*shape, generator=generator), method, group)
+    weight = random_q6(*shape, generator) if method == "q6" else quantize(torch.randn(*shape, generator=generator), method, group)
     if method == "int8":
         weight.values[::3, ::5] = -128  # as a GGUF Q8_0 file may hold
     bias = torch.randn(shape[0], generator=generator).to(dtype)

@@ -1,5 +1,5 @@
 """The quantized formats: int8 and 4-bit weights round-trip within half a step, the 4-bit packing is
-its own inverse, and both kernels compute the product of the dequantized weights and
+its own inverse, and both kernels (the 4-bit one also for GGUF's Q6_K) compute the product of the dequantized weights and
 `quantize_activations(x)` (exact integer products, fp32 rounding only), for any number of rows, fp32
 and bf16 activations, on every instruction set this CPU builds."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from conftest import random_q6
 
 from rag_speculate import InvalidArgumentError
 from rag_speculate.cpu.linear import _Q4_SOURCE, _Q8_SOURCE, activation_block, build_linear_q4, build_linear_q8, run_quantized
@@ -86,6 +88,24 @@ def test_the_4_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_ac
             assert got.dtype == dtype
             tolerance = (2e-2 if dtype == torch.bfloat16 else 1e-5) * (want.abs().max() + 1)
             assert (got.double() - want).abs().max() <= tolerance, (out_features, rows)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_6_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_activations(dtype, isa):
+    """A GGUF file's Q6_K (q6, through the 4-bit kernel: m = sc, o = -32 d) likewise, activations per
+    super-block of 256: fp32 rounding only, on and off the tiles and the prefill's lanes."""
+    library = built(isa, "q4")
+    generator = torch.Generator().manual_seed(3)
+    for out_features, in_features in ((37, 512), (300, 4608)):
+        weight = random_q6(out_features, in_features, generator)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        for rows in (1, 4, 5, 48, 70):
+            x = (torch.randn(rows, in_features, generator=generator) * torch.rand(rows, in_features, generator=generator) * 8).to(dtype)
+            got = run_quantized(library, x, weight.values, weight.scale, weight.offset, weight.group_shift, out_features, bias, weight.sub)
+            want = quantize_activations(x, 256).double() @ dequantize(weight).double().T + bias.double()
+            tolerance = (2e-2 if dtype == torch.bfloat16 else 1e-5) * (want.abs().max() + 1)
+            assert got.dtype == dtype and (got.double() - want).abs().max() <= tolerance, (out_features, rows)
 
 
 @pytest.mark.parametrize("isa", ISAS)

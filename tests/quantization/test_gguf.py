@@ -50,7 +50,8 @@ def test_every_kernel_type_is_repacked_exactly(tmp_path):
     for name, (kind, blocks) in written.items():
         want = torch.from_numpy(gguf_dequantize(blocks, kind).reshape(48, 512).astype(np.float32))
         got = dequantize(kept[name])
-        assert kept[name].shape == (48, 512) and kept[name].format == ("q4" if kind == GGMLQuantizationType.Q4_K else "q8")
+        fmt = {GGMLQuantizationType.Q4_K: "q4", GGMLQuantizationType.Q6_K: "q6"}.get(kind, "q8")
+        assert kept[name].shape == (48, 512) and kept[name].format == fmt
         assert torch.equal(got, want), (kind.name, (got - want).abs().max())
 
 
