@@ -122,8 +122,9 @@ static inline __m128i pick(int e) {
     return _mm_set1_epi16((short)((2 * e) | ((2 * e + 1) << 8)));
 }
 
-/* The 16 bytes from super-block b's scales on (its scales and minimums, and whatever follows): read in
- * place, or, for the last few of the whole tensor, copied, not to read past its end. */
+/* The 16 bytes from super-block b's scales on (Q4_K: its scales and minimums, and whatever follows;
+ * Q6_K: its 16 scales): read in place, or, for the last few of the whole tensor, copied, not to read
+ * past its end. */
 static inline __m128i sub_bytes(const weights *W, int64_t b) {
     const uint8_t *p = W->sub + b * W->sub_stride;
     if (p + 16 <= W->sub_end) return _mm_loadu_si128((const __m128i *)p);

@@ -46,8 +46,8 @@
  * tiles of 512-bit lanes (`vnni_tile`), many through a product whose 16 lanes are 16 rows of x
  * (`gemm_tile`). Every output of such a layer ends each block in one fma of the block's exact integer
  * sum by its two scales, on either path. Elsewhere (the AVX2 build, groups of 16) a block's 8 lanes
- * stay apart until the end (`block_done`). Groups of 16 (GGUF's Q6_K) keep the lanes: an fma per 16
- * values made their decoding 1.5 times as slow. */
+ * stay apart until the end (`block_done`; with VNNI, groups of 16 decode through `vnni_tile` too, lane
+ * by lane): an fma per 16 values made their decoding 1.5 times as slow. */
 #ifdef __AVX512VNNI__
 #define LANES_AS_ROWS 1
 #define FEW_ROWS_LANES 4 /* rows of x up to which `vnni_tile` runs */
