@@ -479,8 +479,8 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
 /* x: M x K fp32; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs (K / 16 a row) bytes; Q6_K (q6 1):
  * qs N x K, sub N x K / 16 signed bytes; d and o: N x supers, bias: N or NULL, out: M x N; super-blocks
  * of `size` values (Q4_K: 64, 128 or 256; Q6_K: 256), K a multiple of it. */
-static void run(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
-                const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
+void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
+               const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N,
              .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / (q6 ? 16 : 32),
                    .sub_stride = q6 ? size / 16 : 2 * (size / 32), .row_bytes = q6 ? K : K / 2, .q6 = q6,
@@ -507,16 +507,4 @@ static void run(const float *x, const uint8_t *qs, const uint8_t *sub, const flo
     free(J.A.q);
     free(J.A.d);
     free(J.A.sums);
-}
-
-/* The entry: x M x K and out M x N in bf16 (bf16 1) or fp32, the rest as `run` takes them. */
-void linear_q4(const void *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
-               const float *bias, void *out, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
-    float *xf = widened(x, M * K, bf16), *of = bf16 ? malloc(sizeof(float) * M * N) : out;
-    run(xf, qs, sub, d, o, size, q6, bias, of, M, N, K, threads);
-    if (bf16) {
-        round_bf16(of, out, M * N);
-        free(of);
-        free(xf);
-    }
 }

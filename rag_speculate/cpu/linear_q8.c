@@ -553,8 +553,9 @@ static void vnni_part(void *ctx, int64_t part, int64_t parts) {
 
 /* x: M x K fp32 (K a multiple of the activation block), q: N x K int8, scale: N x groups, bias: N or
  * NULL, out: M x N. */
-static void run(const float *x, const int8_t *q, const float *scale, int64_t group_shift, const float *bias, float *out,
-                int64_t M, int64_t N, int64_t K, int threads) {
+void linear_quantized(const float *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
+                      const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)offset;
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
              .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
@@ -592,18 +593,4 @@ static void run(const float *x, const int8_t *q, const float *scale, int64_t gro
     free(J.A.q);
     free(J.A.q16);
     free(J.A.d);
-}
-
-/* The entry: x M x K and out M x N in bf16 (bf16 1) or fp32, the rest as `run` takes them (`offset`
- * unused: int8 has none). */
-void linear_quantized(const void *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
-                      const float *bias, void *out, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
-    (void)offset;
-    float *xf = widened(x, M * K, bf16), *of = bf16 ? malloc(sizeof(float) * M * N) : out;
-    run(xf, q, scale, group_shift, bias, of, M, N, K, threads);
-    if (bf16) {
-        round_bf16(of, out, M * N);
-        free(of);
-        free(xf);
-    }
 }

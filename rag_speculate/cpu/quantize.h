@@ -4,8 +4,6 @@
  * values whichever kernel reads it. */
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 /* The largest magnitude among the n values at x (n a multiple of 8). */
 static inline float block_amax(const float *x, int64_t n) {
@@ -32,37 +30,4 @@ static inline __m256i quantize_step(const float *x, __m256 inv) {
 static inline float block_scale(float amax, __m256 *inv) {
     *inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     return amax / 127.0f;
-}
-
-/* A bf16 model's activations cross into the kernels and back here, not through a torch conversion each
- * side of every call: widened exactly, and rounded as torch rounds fp32 to bf16 (nearest, ties to
- * even; NaN to 0x7FC0). `widened` returns x itself for fp32 (bf16 0), else a copy to free. */
-static inline float *widened(const void *x, int64_t n, int bf16) {
-    if (!bf16) return (float *)x;
-    const uint16_t *src = x;
-    float *dst = malloc(sizeof(float) * (n > 0 ? n : 1));
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
-    for (; i < n; i++) {
-        const uint32_t u = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &u, sizeof u);
-    }
-    return dst;
-}
-
-static inline void round_bf16(const float *src, uint16_t *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 f = _mm256_loadu_ps(src + i);
-        const __m256i u = _mm256_castps_si256(f);
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8)));
-    }
-    for (; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, src + i, sizeof u);
-        dst[i] = src[i] != src[i] ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
 }

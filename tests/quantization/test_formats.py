@@ -91,22 +91,6 @@ def test_the_4_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_ac
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("method", ["int8", "int4", "q6"])
-def test_bf16_activations_cross_the_kernel_as_torch_converts_them(method, isa):
-    """bf16 activations are widened and the outputs rounded in C, not by torch each side of the call:
-    the same bits as the fp32 product of the widened rows, rounded to bf16 by torch (ties to even)."""
-    library = built(isa, "q8" if method == "int8" else "q4")
-    generator = torch.Generator().manual_seed(4)
-    weight = random_q6(37, 512, generator) if method == "q6" else quantize(torch.randn(37, 512, generator=generator), method)
-    bias = torch.randn(37, generator=generator).to(torch.bfloat16)
-    for rows in (1, 3, 70):
-        x = torch.randn(rows, 512, generator=generator).to(torch.bfloat16)
-        run = lambda x, bias: run_quantized(library, x, weight.values, weight.scale, weight.offset, weight.group_shift, 37, bias, weight.sub)  # noqa: E731
-        got = run(x, bias)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, run(x.float(), bias.float()).to(torch.bfloat16)), rows
-
-
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_6_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_activations(dtype, isa):
     """A GGUF file's Q6_K (q6, through the 4-bit kernel: m = sc, o = -32 d) likewise, activations per
