@@ -34,7 +34,7 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, in
         print(f"(our kernel is unavailable: {reason})")
     else:
         found["ours"] = lambda x, i, lib=library: run_linear(lib, x, weights[i], None)
-    # int8 in our groups (128), in Q8_0's (32) and in those a GGUF file's Q6_K is held in (16): what a block's scaling costs.
+    # int8 in our groups (128), in Q8_0's (32) and in 16 (a scale per half-step, lane by lane): what a block's scaling costs.
     settings = (("int8", "int8", "q8", None), ("int8 g32", "int8", "q8", 32), ("int8 g16", "int8", "q8", 16), ("int4", "int4", "q4", None))
     for name, method, fmt, group in settings:
         quantized_library, reason = linear_library(dtype, fmt)

@@ -2,7 +2,7 @@
  * of x, each row summed the same way whatever the others (AVX2: integer pair products).
  *
  * The weights: int8 values q[n][k] with an fp32 scale per group of 2^group_shift >= 16 values along
- * k (ours: 128; GGUF's Q8_0 has groups of 32; Q6_K, held as int8, of 16). Each row of x is quantized
+ * k (ours: 128; GGUF's Q8_0 and Q4_0 have groups of 32; 16 also taken). Each row of x is quantized
  * on its own, per block of `act` values (the weights' group, at least 32 and at most 128: 32 is how
  * llama.cpp quantizes activations for its Q8_0 dot products), a scale d = max|x| / 127 and values
  * round(x / d) in [-127, 127]. So a row's quantized values depend on that row alone, and

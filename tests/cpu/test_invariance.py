@@ -48,7 +48,7 @@ def test_a_linear_row_is_the_same_among_any_other_rows(shape, dtype, isa):
     [
         ("int8", (1536, 256), None),
         # Past 64 rows int8 weights meet x in int16 tiles: several chunks of k, weight rows off the
-        # tiles, and every group size (ours, Q8_0's, Q6_K's).
+        # tiles, and every group size (ours, Q8_0's, 16).
         ("int8", (37, 4224), 128),
         ("int8", (37, 4160), 32),
         ("int8", (37, 4160), 16),

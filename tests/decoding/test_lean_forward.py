@@ -107,7 +107,7 @@ def test_a_prefill_through_the_kernels_runs_its_last_layer_for_the_kept_row_only
 
 @needs_cpu
 def test_layers_of_other_formats_run_one_call_each_with_the_same_bits():
-    # As a GGUF file holds them: q and k in 4 bits, v in int8 (Q4_K beside Q6_K).
+    # As a GGUF file's layers sit: q and k in 4 bits, v in another format (Q4_K beside Q6_K; here int8).
     from rag_speculate.quantization.formats import quantize
     from rag_speculate.quantization.layer import QuantizedLinear, quantize_model
 

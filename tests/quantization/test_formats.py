@@ -114,7 +114,7 @@ def test_the_6_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_ac
 def test_the_int8_kernel_multiplies_the_dequantized_weights_by_the_quantized_activations(group, dtype, isa):
     """An int8 layer computes the dequantized weights times each row's activations quantized per
     block (the group, from 32 to 128 values): the integer products are exact, so it differs from
-    that product, taken in float64, by fp32 rounding only. Groups of 16 (GGUF's Q6_K), 32 (Q8_0),
+    that product, taken in float64, by fp32 rounding only. Groups of 16 (lane by lane), 32 (Q8_0),
     64, 128 (ours) and one per row; weights of -128 (GGUF allows them) included."""
     library = built(isa, "q8")
     generator = torch.Generator().manual_seed(2)
