@@ -1,7 +1,7 @@
 """Where a quantized target's plain decoding step goes: its 4-bit, 6-bit and int8 layers, the rest.
 
 The packaged 1.5B through `from_pretrained(quantization=...)` (the GGUF file's own tensors by default:
-Q4_K as 4 bits, Q6_K as 6 bits a byte each), decoding plainly (`draft_budget=0`) after a short prompt, so a
+Q4_K and Q6_K in their own 4 and 6 bits), decoding plainly (`draft_budget=0`) after a short prompt, so a
 step is one row through every layer. Every quantized layer's kernel call is timed by the weights'
 format; the rest of a step is the step's time less those. Prints ms a step and the bytes each
 format's layers read a step (the output layer included), with the CPU.

@@ -139,9 +139,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> li
 def random_q6(out_features: int, in_features: int, generator: torch.Generator):
     """A GGUF file's Q6_K tensor as `quantization/gguf.py` holds it (q6): random 6-bit values, signed
     8-bit scales per 16 values (-128 included), a half-precision d per 256 and its offset -32 d."""
-    from rag_speculate.quantization.formats import QuantizedWeight
+    from rag_speculate.quantization.formats import QuantizedWeight, pack_q6
 
-    q = torch.randint(0, 64, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    q = pack_q6(torch.randint(0, 64, (out_features, in_features), generator=generator, dtype=torch.uint8))
     sc = torch.randint(-128, 128, (out_features, in_features // 16), generator=generator, dtype=torch.int8)
     sc[::5, ::7] = -128
     d = (torch.rand(out_features, in_features // 256, generator=generator) * 0.02).half().float()

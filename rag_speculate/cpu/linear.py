@@ -188,12 +188,13 @@ def run_quantized(
     int8 row by row (fp32 in and out, so bf16 is widened first): q8 values `q` [out, in] int8 with an
     fp32 `scale` per group of 2**group_shift (`linear_q8.c`); or q4 values packed [out, in / 2] uint8
     in super-blocks of 2**group_shift, each with an fp32 `scale` (d) and `offset`, and per sub-block of
-    32 a 6-bit scale and minimum in `sub` uint8; or q6 values [out, in] uint8 in super-blocks of 256,
-    with d and offset, and per sub-block of 16 a signed scale in `sub` int8 (`linear_q4.c`)."""
+    32 a 6-bit scale and minimum in `sub` uint8; or q6 values packed [out, 3 in / 4] uint8 (6 bits
+    each, `formats.pack_q6`) in super-blocks of 256, with d and offset, and per sub-block of 16 a
+    signed scale in `sub` int8 (`linear_q4.c`)."""
     _check_cpu_tensors("the linear kernel", x.dtype, x, bias)
     features = x.shape[-1]
     int8, q6 = q.dtype == torch.int8, sub is not None and sub.dtype == torch.int8
-    per_row, block = (features, activation_block(group_shift)) if int8 else (features, 256) if q6 else (features // 2, 1 << group_shift)
+    per_row, block = (features, activation_block(group_shift)) if int8 else (features * 3 // 4, 256) if q6 else (features // 2, 1 << group_shift)
     sizes = (256,) if q6 else Q4_SIZES
     if q.shape != (out_features, per_row) or not q.is_contiguous() or features % block or (not int8 and 1 << group_shift not in sizes):
         raise ValueError(f"quantized weights of shape {tuple(q.shape)} do not take {features} features")

@@ -13,10 +13,11 @@
  * both sums exact integers (q is unsigned, so `maddubs` multiplies it with qx directly; the scales
  * then multiply the pair sums as 16-bit integers, as llama.cpp's kernels do).
  *
- * GGUF's Q6_K takes the same path (`q6`): values q in [0, 63] a byte each, sub-blocks of 16 with a
- * signed 8-bit scale sc, w = d sc (q - 32); so m = sc and o = -32 d in the sum above. Held this way
- * (8.6 bits a weight; the file's 6.6) rather than as int8 in groups of 16, a super-block ends in one
- * fma per output, not one per 16 values.
+ * GGUF's Q6_K takes the same path (`q6`): values q in [0, 63], sub-blocks of 16 with a signed 8-bit
+ * scale sc, w = d sc (q - 32); so m = sc and o = -32 d in the sum above. Each 64 values are 48 bytes:
+ * their low 4 bits as Q4_K's nibbles, then 16 bytes of their high 2 bits (`values64`), 6.6 bits a
+ * weight with the scales, as in the file. Held this way rather than as int8 in groups of 16, a
+ * super-block ends in one fma per output, not one per 16 values.
  *
  * The invariant: y[m][n] is the same sequence of operations on the same inputs, whatever M and
  * whatever rows sit beside m. Per super-block, s = 0, 1, 2, ... in order, its two integer sums (exact,
@@ -40,7 +41,7 @@
 #include "quantize.h"
 #include "sums.h"
 
-#define CHUNK 64     /* values a step: 32 bytes of Q4_K, 64 of Q6_K */
+#define CHUNK 64     /* values a step: 32 bytes of Q4_K, 48 of Q6_K */
 #define MAX_SUBS 16  /* sub-blocks per super-block, at most (Q6_K's 16 of 16) */
 #define BLOCK_N 64   /* weight rows per cache block */
 
@@ -100,7 +101,7 @@ typedef __m256 fvec;
 #endif
 
 typedef struct {
-    const uint8_t *qs;  /* Q4_K: N x K/2, packed; Q6_K: N x K */
+    const uint8_t *qs;  /* N x row_bytes, packed: Q4_K's K / 2 a row, Q6_K's 3 K / 4 */
     const uint8_t *sub; /* N x supers x `sub_stride`: Q4_K's subs scales, then subs minimums; Q6_K's 16 signed scales */
     const float *d, *o; /* N x supers */
     int64_t K, size, supers, subs, sub_stride, row_bytes;
@@ -148,6 +149,21 @@ static inline __m256i pick2(int e) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(pick(e)), pick(e + 1), 1);
 }
 
+/* 64 values a byte each from their packed bytes at `p`, values 0-31 in `lo` and 32-63 in `hi`: Q4_K's
+ * 32 bytes of nibbles, the first 32 values in the low ones; for Q6_K also 16 bytes of high 2 bits,
+ * byte b holding those of values b, 16 + b, 32 + b and 48 + b from its low bits up, each moved to bits
+ * 4-5 of its own byte by one shift of a 128-bit lane (what crosses from a neighbouring byte is masked). */
+static inline void values64(const uint8_t *p, const int q6, __m256i *lo, __m256i *hi) {
+    const __m256i nibble = _mm256_set1_epi8(15), raw = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_and_si256(raw, nibble);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    if (q6) {
+        const __m256i bits = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 32))), high = _mm256_set1_epi8(0x30);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_sllv_epi32(bits, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), high));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), high));
+    }
+}
+
 /* The integer sums of a tile's W_ROWS lane vectors, one a lane (AVX2: lanes 2 and 3 zero). */
 static inline __m128i row_sums(const ivec *v) {
 #ifdef __AVX512F__
@@ -165,7 +181,6 @@ static inline __m128i row_sums(const ivec *v) {
 static inline __attribute__((always_inline)) void tile(const acts *A, const weights *W, int64_t n, float *acc, float *accm,
                                                        const int m, const int r, const int q6) {
     const int64_t K = W->K, S = W->size, supers = W->supers, chunks = S / CHUNK, row_bytes = W->row_bytes;
-    const __m256i nibble = _mm256_set1_epi8(15);
     __m128 out[X_ROWS], out_mins[X_ROWS];
     for (int i = 0; i < m; i++) out[i] = out_mins[i] = _mm_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
@@ -183,41 +198,41 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
             const int64_t at = s * S + c * CHUNK;
             /* The next tile's r rows, 32 bytes of each a step, fetched ahead: the hardware's prefetcher
              * misses rows read side by side. */
-            const int64_t byte = q6 ? at : at / 2;
+            const int64_t byte = q6 ? at / CHUNK * 48 : at / 2;
             for (int j = 0; j < r; j++) _mm_prefetch((const char *)(W->qs + (n + r + j) * row_bytes + byte), _MM_HINT_T1);
 #ifdef __AVX512F__
-            /* Q4_K: the 32 bytes twice, the low half keeping the low nibbles (values 0-31, sub-block 2c),
-             * the high half the high ones (32-63, 2c + 1). Q6_K: 64 bytes, sub-blocks 4c to 4c + 3. */
+            /* The 32 bytes of nibbles twice, the low half keeping the low nibbles (values 0-31; Q4_K's
+             * sub-block 2c), the high half the high ones (32-63, 2c + 1); Q6_K's high 2 bits (as
+             * `values64`: rotated to bits 4-5, a 128-bit lane a sub-block, 4c to 4c + 3) joined in. */
             const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+            const __m512i turns = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)),
+                                                     _mm256_setr_epi32(0, 0, 0, 0, 30, 30, 30, 30), 1);
             const __m512i ctrl = q6 ? _mm512_inserti64x4(_mm512_castsi256_si512(pick2(4 * (c % 2))), pick2(4 * (c % 2) + 2), 1)
                                     : _mm512_inserti64x4(_mm512_broadcast_i32x4(pick(2 * c)), _mm256_broadcastsi128_si256(pick(2 * c + 1)), 1);
             __m512i w[W_ROWS], sc[W_ROWS];
             for (int j = 0; j < r; j++) {
                 const uint8_t *row = W->qs + (n + j) * row_bytes + byte;
-                if (q6) {
-                    w[j] = _mm512_loadu_si512(row);
-                    sc[j] = _mm512_shuffle_epi8(c < 2 ? scales[j] : scales_hi[j], ctrl);
-                    continue;
-                }
                 const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)row));
-                w[j] = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_broadcast_i64x4(nibble));
-                sc[j] = _mm512_shuffle_epi8(scales[j], ctrl);
+                w[j] = _mm512_and_si512(_mm512_srlv_epi16(raw, shifts), _mm512_set1_epi8(15));
+                if (q6) {
+                    const __m512i bits = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + 32)));
+                    /* w | (bits & 0x30), the high bits rotated into place */
+                    w[j] = _mm512_ternarylogic_epi32(w[j], _mm512_rolv_epi32(bits, turns), _mm512_set1_epi8(0x30), 0xF8);
+                }
+                sc[j] = _mm512_shuffle_epi8(q6 && c >= 2 ? scales_hi[j] : scales[j], ctrl);
             }
             for (int i = 0; i < m; i++) {
                 const __m512i x = _mm512_loadu_si512(A->q + i * K + at);
                 for (int j = 0; j < r; j++) lanes[j][i] = dot2(lanes[j][i], _mm512_maddubs_epi16(w[j], x), sc[j]);
             }
 #else
-            /* Values 0-31 and 32-63: Q4_K's low and high nibbles (sub-blocks 2c, 2c + 1), Q6_K's bytes
-             * (sub-blocks 4c and 4c + 1, then 4c + 2 and 4c + 3, a 128-bit lane each). */
+            /* Values 0-31 and 32-63 (`values64`): Q4_K's sub-blocks 2c and 2c + 1; Q6_K's 4c and 4c + 1,
+             * then 4c + 2 and 4c + 3, a 128-bit lane each. */
             const __m256i ctrl_lo = q6 ? pick2(4 * (c % 2)) : _mm256_broadcastsi128_si256(pick(2 * c));
             const __m256i ctrl_hi = q6 ? pick2(4 * (c % 2) + 2) : _mm256_broadcastsi128_si256(pick(2 * c + 1));
             __m256i lo[W_ROWS], hi[W_ROWS], sc_lo[W_ROWS], sc_hi[W_ROWS];
             for (int j = 0; j < r; j++) {
-                const uint8_t *row = W->qs + (n + j) * row_bytes + byte;
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)row);
-                lo[j] = q6 ? raw : _mm256_and_si256(raw, nibble);
-                hi[j] = q6 ? _mm256_loadu_si256((const __m256i *)(row + 32)) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                values64(W->qs + (n + j) * row_bytes + byte, q6, &lo[j], &hi[j]);
                 const __m256i half = q6 && c >= 2 ? scales_hi[j] : scales[j];
                 sc_lo[j] = _mm256_shuffle_epi8(half, ctrl_lo);
                 sc_hi[j] = _mm256_shuffle_epi8(half, ctrl_hi);
@@ -449,27 +464,26 @@ static void gemm_single_q6(const gemm_job *G, int64_t g, int64_t n, const uint8_
 static const gemm_fn GEMM_FULL[] = {gemm_full_q4, gemm_full_q6}, GEMM_SINGLE[] = {gemm_single_q4, gemm_single_q6};
 
 /* Part `part` of `parts`: its share of the blocks of BLOCK_NG weight rows, unpacked a byte a value
- * once (Q6_K's are bytes already), against every group of x. */
+ * once, against every group of x. */
 static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     const gemm_job *G = ctx;
     const job *J = G->J;
-    const int64_t K = J->W.K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG;
-    const __m256i nibble = _mm256_set1_epi8(15);
+    const int64_t K = J->W.K, N = J->N, blocks = (N + BLOCK_NG - 1) / BLOCK_NG, chunk_bytes = J->W.q6 ? 48 : 32;
     const int q6 = J->W.q6;
-    uint8_t *wu = q6 ? NULL : vec_alloc(BLOCK_NG * K);
+    uint8_t *wu = vec_alloc(BLOCK_NG * K);
     for (int64_t nb = blocks * part / parts; nb < blocks * (part + 1) / parts; nb++) {
         const int64_t n0 = nb * BLOCK_NG, n1 = n0 + BLOCK_NG < N ? n0 + BLOCK_NG : N;
-        const uint8_t *values = q6 ? J->W.qs + n0 * K : wu;
-        for (int64_t n = n0; n < n1 && !q6; n++)
+        for (int64_t n = n0; n < n1; n++)
             for (int64_t at = 0; at < K; at += CHUNK) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(J->W.qs + n * (K / 2) + at / 2));
-                _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at), _mm256_and_si256(raw, nibble));
-                _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
+                __m256i lo, hi;
+                values64(J->W.qs + n * J->W.row_bytes + at / CHUNK * chunk_bytes, q6, &lo, &hi);
+                _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at), lo);
+                _mm256_store_si256((__m256i *)(wu + (n - n0) * K + at + 32), hi);
             }
         for (int64_t g = 0; g < G->L.groups; g++)
             for (int64_t n = n0; n < n1;) {
                 const int full = n + G_ROWS <= n1;
-                (full ? GEMM_FULL : GEMM_SINGLE)[q6](G, g, n, values + (n - n0) * K);
+                (full ? GEMM_FULL : GEMM_SINGLE)[q6](G, g, n, wu + (n - n0) * K);
                 n += full ? G_ROWS : 1;
             }
     }
@@ -477,13 +491,13 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
 }
 
 /* x: M x K fp32; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs (K / 16 a row) bytes; Q6_K (q6 1):
- * qs N x K, sub N x K / 16 signed bytes; d and o: N x supers, bias: N or NULL, out: M x N; super-blocks
+ * qs N x 3 K / 4, sub N x K / 16 signed bytes; d and o: N x supers, bias: N or NULL, out: M x N; super-blocks
  * of `size` values (Q4_K: 64, 128 or 256; Q6_K: 256), K a multiple of it. */
 void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
                const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N,
              .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / (q6 ? 16 : 32),
-                   .sub_stride = q6 ? size / 16 : 2 * (size / 32), .row_bytes = q6 ? K : K / 2, .q6 = q6,
+                   .sub_stride = q6 ? size / 16 : 2 * (size / 32), .row_bytes = q6 ? K / 4 * 3 : K / 2, .q6 = q6,
                    .sub_end = sub + N * (K / 16)}};
     uint8_t take[16];
     for (int i = 0; i < 16; i++) take[i] = i < J.W.subs ? (uint8_t)(J.W.subs + i) : 0x80;

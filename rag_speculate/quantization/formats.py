@@ -12,8 +12,9 @@ Three formats, all multiplied by int8 activations: each row of x is quantized on
   two to a byte as Q4_K packs them (each 64 values in 32 bytes, the first 32 in the low nibbles);
   the activations in blocks of the super-block, as llama.cpp's Q8_K;
 - q6: GGUF's Q6_K, which only GGUF files hold (`quantization/gguf.py`): super-blocks of 256 with an
-  fp32 d, sub-blocks of 16 with a signed 8-bit scale sc (`sub`), w = d sc (q - 32), q in [0, 63] a
-  byte each; the 4-bit kernel runs it as q4 with m = sc and o = -32 d (`offset`).
+  fp32 d, sub-blocks of 16 with a signed 8-bit scale sc (`sub`), w = d sc (q - 32), q in [0, 63] in
+  6 bits (`pack_q6`: q4's nibbles, then the high 2 bits); the 4-bit kernel runs it as q4 with m = sc
+  and o = -32 d (`offset`).
 
 Either way a row's result depends on that row alone, so speculation over a quantized model gives
 exactly what `generate` of the same quantized model gives. Scales are fp32, so a GGUF file's blocks
@@ -47,7 +48,7 @@ class QuantizedWeight:
     """A [out_features, in_features] weight in one of the kernel's formats, on the CPU."""
 
     format: str  # "q8", "q4" or "q6"
-    values: torch.Tensor  # q8: int8 [out, in] in [-128, 127]; q4: uint8 [out, in / 2], packed; q6: uint8 [out, in] in [0, 63]
+    values: torch.Tensor  # q8: int8 [out, in] in [-128, 127]; q4: uint8 [out, in / 2], packed; q6: uint8 [out, 3 in / 4], packed
     scale: torch.Tensor  # fp32 [out, groups]
     offset: torch.Tensor | None  # fp32 [out, groups] for q4 and q6, else None
     group_shift: int
@@ -137,7 +138,7 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     if weight.format == "q6":
         d = weight.scale.to(torch.float64).repeat_interleave(group, dim=1)
         sc = weight.sub.to(torch.float64).repeat_interleave(16, dim=1)
-        return (d * sc * (weight.values.to(torch.float64) - 32)).to(torch.float32)
+        return (d * sc * (unpack_q6(weight.values, in_features).to(torch.float64) - 32)).to(torch.float32)
     subs = group // SUB
     sub = weight.sub.reshape(out_features, -1, 2, subs).to(torch.float64)
     # Per sub-block: d sc and o m, then each of its 32 values; exact in float64, rounded once.
@@ -175,3 +176,27 @@ def unpack_q4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """`pack_q4`'s inverse: [rows, n] values in [0, 15]."""
     chunks = packed.reshape(packed.shape[0], n // 64, 1, 32)
     return torch.cat([chunks & 15, chunks >> 4], dim=2).reshape(packed.shape[0], n)
+
+
+# Where each of the 4 runs of 16 values in 64 keeps its high 2 bits in `pack_q6`'s 16 bytes.
+_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
+def pack_q6(q: torch.Tensor) -> torch.Tensor:
+    """[rows, n] values in [0, 63] (n a multiple of 64) in 6 bits, [rows, 3 n / 4]: each 64 values in
+    48 bytes, their low 4 bits as `pack_q4` packs them, then 16 bytes whose byte b holds the high 2
+    bits of values b, 16 + b, 32 + b and 48 + b from its low bits up (so the kernels widen them
+    a 128-bit lane at a time, each lane one sub-block)."""
+    rows, n = q.shape
+    q = q.to(torch.uint8)
+    low = pack_q4(q & 15).reshape(rows, n // 64, 32)
+    high = ((q >> 4).reshape(rows, n // 64, 4, 16) << _HIGH_SHIFTS[:, None]).sum(dim=2, dtype=torch.uint8)
+    return torch.cat([low, high], dim=2).reshape(rows, n // 64 * 48).contiguous()
+
+
+def unpack_q6(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack_q6`'s inverse: [rows, n] values in [0, 63]."""
+    chunks = packed.reshape(packed.shape[0], n // 64, 48)
+    low = unpack_q4(chunks[:, :, :32].reshape(packed.shape[0], n // 2), n)
+    high = (chunks[:, :, None, 32:] >> _HIGH_SHIFTS[:, None]) & 3
+    return low | (high.reshape(packed.shape[0], n) << 4)

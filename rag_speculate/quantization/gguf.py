@@ -3,8 +3,8 @@ dequantizes them to.
 
 Q4_K is the kernels' own 4-bit format (`formats.py`): its bytes as they are, its 6-bit scales and
 minimums unpacked to a byte each, its two halves d and dmin as fp32 (d and -dmin). Q6_K becomes q6:
-its 6-bit values a byte each, its 8-bit scales per 16 as they are, d as fp32 (and -32 d as the
-offset), w = d sc (q - 32). The others become int8 (q8): Q8_0 is int8 with a half-precision scale per
+its 6-bit values repacked in 6 bits (`pack_q6`), its 8-bit scales per 16 as they are, d as fp32 (and
+-32 d as the offset), w = d sc (q - 32). The others become int8 (q8): Q8_0 is int8 with a half-precision scale per
 32 values; Q4_0 4 bits with a scale d per 32, w = d (q - 8), held as q - 8. Every product of a half
 and a small integer is exact in fp32, so every scale is held exactly, and `dequantize` gives the
 weights ggml's dequantization gives. Other types have no kernel here: their tensors stay as the
@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K
 
-from .formats import QuantizedWeight, dequantize
+from .formats import QuantizedWeight, dequantize, pack_q6
 
 # The types with a kernel, and the values per group (Q4_K: per super-block) each becomes.
 GROUPS = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_0: 32, GGMLQuantizationType.Q4_K: 256, GGMLQuantizationType.Q6_K: 256}
@@ -61,7 +61,7 @@ def _unpack(kind: GGMLQuantizationType, blocks: np.ndarray, rows: int, columns: 
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = low.reshape(-1, 2, 4, 32) | (high << 4)
-    return _weight("q6", q.reshape(-1, 256), d, -32 * d, group, rows, columns, scales)
+    return _weight("q6", pack_q6(torch.from_numpy(q.reshape(rows, columns))).numpy(), d, -32 * d, group, rows, columns, scales)
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -73,7 +73,7 @@ def _weight(
     fmt: str, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, group: int, rows: int, columns: int,
     sub: np.ndarray | None = None,
 ) -> QuantizedWeight:  # fmt: skip
-    """q: the values (q8: [rows, columns] int8; q6: uint8), or Q4_K's packed bytes as they are ([rows, columns / 2])."""
+    """q: the values (q8: [rows, columns] int8), q6's packed (`pack_q6`), or Q4_K's packed bytes as they are ([rows, columns / 2])."""
     values = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
 
     def per_group(a: np.ndarray) -> torch.Tensor:
