@@ -1,6 +1,8 @@
 /* The RMS norm of fp32 rows as the Llama-family norm modules compute it in torch, bit for bit:
  *     out = w * (x * (1 / sqrt(sum(x * x) / n + eps)))
- * in one call where torch runs seven operators.
+ * in one call where torch runs seven operators. Built with -DNORM_BF16, for bf16 rows and weights:
+ * the modules widen x to fp32 for the same steps, round x * scale to bf16, and multiply by w in bf16
+ * (in fp32, rounded once: `bf16.h`).
  *
  * Every step but the sum rounds one IEEE operation, so it is the same in C. The sum is torch's
  * `cascade_sum` for a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp): vectors of LANES
@@ -13,6 +15,19 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#ifdef NORM_BF16
+typedef uint16_t value; /* bf16 bits */
+#define WIDEN(v) bf16_widen(v)
+#define ROUND(f) bf16_round(f)
+#else
+typedef float value;
+#define WIDEN(v) (v)
+#define ROUND(f) (f)
+#endif
 
 /* 8 on AVX-512 CPUs too: SumKernel.cpp registers its kernel with REGISTER_DISPATCH, which leaves the
  * AVX-512 slot empty (DispatchStub.h), so torch runs the AVX2 build, whose vectors hold 8 floats. */
@@ -64,10 +79,12 @@ static float sum_of_squares(const float *x, int64_t n) {
 }
 
 /* x, out: rows x n; w: n; n at least LANES. */
-void rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+void rms_norm(const value *x, const value *w, value *out, int64_t rows, int64_t n, float eps) {
+    float *row = malloc(sizeof(float) * n);
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * n;
+        for (int64_t e = 0; e < n; e++) row[e] = WIDEN(x[r * n + e]);
         const float scale = 1.0f / sqrtf(sum_of_squares(row, n) / (float)n + eps);
-        for (int64_t e = 0; e < n; e++) out[r * n + e] = w[e] * (row[e] * scale);
+        for (int64_t e = 0; e < n; e++) out[r * n + e] = ROUND(WIDEN(w[e]) * WIDEN(ROUND(row[e] * scale)));
     }
+    free(row);
 }

@@ -2,7 +2,8 @@
 
 transformers' `apply_rotary_pos_emb` runs ten small torch operators for a layer's queries and keys;
 a one-token forward of the 1.5B calls it 28 times. `rotary_for` hands out the kernel only for a
-model's function it has checked: on probe heads, both outputs must equal the function's exactly.
+model's function it has checked: on probe heads in fp32 and in bf16, both outputs must equal the
+function's exactly (a dtype whose check fails keeps the function).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ _SOURCE = Path(__file__).with_name("rotary.c")
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+_DTYPES = {torch.float32: [], torch.bfloat16: ["-DROTARY_BF16"]}
+
+
 @functools.cache
-def rotary_library() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled kernel, built into the cache on first use; or None and why not."""
-    lib, reason = compile_kernel(_SOURCE, BASE_FLAGS, "rotary", "the rotary kernel")
+def rotary_library(dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernel for heads of `dtype` (fp32 or bf16), built into the cache on first use; or None and why not."""
+    stem = f"rotary-{str(dtype).removeprefix('torch.')}"
+    lib, reason = compile_kernel(_SOURCE, [*BASE_FLAGS, *_DTYPES[dtype]], stem, "the rotary kernel")
     if lib is not None:
         lib.rotary.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 11
         lib.rotary.restype = None
@@ -33,10 +38,10 @@ def rotary_library() -> tuple[ctypes.CDLL | None, str]:
 
 def _served(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Heads [batch, heads, rows, dims] with contiguous vectors, cos and sin [batch, rows, dims]
-    contiguous, all fp32 on the CPU."""
+    contiguous, all on the CPU in one dtype."""
     batch, _, rows, dims = query.shape
     return (
-        query.dtype == key.dtype == cos.dtype == sin.dtype == torch.float32
+        query.dtype == key.dtype == cos.dtype == sin.dtype
         and cos.device.type == "cpu"
         and query.device == key.device == cos.device == sin.device
         and key.shape[0] == batch and key.shape[2:] == query.shape[2:]
@@ -58,25 +63,28 @@ def _rotated(kernel: Callable, query: torch.Tensor, key: torch.Tensor, cos: torc
 def rotary_for(apply_rotary: Rotary, dims: int) -> Rotary | None:
     """`apply_rotary(query, key, cos, sin)` through the kernel for heads of `dims`, or None where the
     kernel does not give the function's bits on probe heads (another formula keeps its own)."""
-    library, _ = rotary_library()
-    if library is None or dims % 2:
+    if dims % 2:
         return None
     generator = torch.Generator().manual_seed(0)
     # Heads as a forward holds them: views of one product's output, [batch, rows, heads, dims] transposed.
     heads = torch.randn(2, 3, 5, dims, generator=generator).transpose(1, 2)
-    query, key = heads[:, :4], heads[:, 4:]
     cos, sin = (torch.randn(2, 3, dims, generator=generator) for _ in range(2))
-    kernel = library.rotary
-    try:
-        want = apply_rotary(query, key, cos, sin)
-    except Exception:  # noqa: BLE001 - a function that takes other arguments keeps its own
-        return None
-    got = _rotated(kernel, query, key, cos, sin)
-    if not all(torch.equal(g, w) for g, w in zip(got, want)):
+    kernels = {}
+    for dtype in _DTYPES:
+        library, _ = rotary_library(dtype)
+        probe = [t.to(dtype) for t in (heads[:, :4], heads[:, 4:], cos, sin)]
+        try:
+            want = apply_rotary(*probe)
+        except Exception:  # noqa: BLE001 - a function that takes other arguments keeps its own
+            return None
+        if library is not None and all(torch.equal(g, w) for g, w in zip(_rotated(library.rotary, *probe), want)):
+            kernels[dtype] = library.rotary
+    if not kernels:
         return None
 
     def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if _served(query, key, cos, sin):
+        kernel = kernels.get(query.dtype)
+        if kernel is not None and _served(query, key, cos, sin):
             return _rotated(kernel, query, key, cos, sin)
         return apply_rotary(query, key, cos, sin)
 
