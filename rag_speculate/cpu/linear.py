@@ -150,7 +150,7 @@ def build_linear_q8(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, st
     flags = [*BASE_FLAGS, *ISA_FLAGS["AVX512"], *_AVX512_INTEGER, "-mavx512vnni"] if vnni else [*BASE_FLAGS, *ISA_FLAGS["AVX2"]]
     lib, reason = compile_kernel(source_path, flags, "linear-q8-avx512-vnni" if vnni else "linear-q8-avx2", "the int8 kernel")
     if lib is not None:
-        lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear_quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         lib.linear_quantized.restype = None
     return lib, reason
 
@@ -168,7 +168,7 @@ def build_linear_q4(source_path: Path, isa: str) -> tuple[ctypes.CDLL | None, st
     vnni = "-vnni" if "-mavx512vnni" in flags else ""
     lib, reason = compile_kernel(source_path, flags, f"linear-q4-{isa.lower()}{vnni}", "the 4-bit kernel")
     if lib is not None:
-        lib.linear_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.linear_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         lib.linear_q4.restype = None
     return lib, reason
 
@@ -185,8 +185,9 @@ def run_quantized(
     group_shift: int, out_features: int, bias: torch.Tensor | None, sub: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`F.linear(x, w, bias)` for the quantized weights `w` through `library`, with x quantized to
-    int8 row by row (fp32 in and out, so bf16 is widened first): q8 values `q` [out, in] int8 with an
-    fp32 `scale` per group of 2**group_shift (`linear_q8.c`); or q4 values packed [out, in / 2] uint8
+    int8 row by row (bf16 in and out as fp32 are: widened, and rounded as torch rounds, by the
+    kernel's threads): q8 values `q` [out, in] int8 with an fp32 `scale` per group of
+    2**group_shift (`linear_q8.c`); or q4 values packed [out, in / 2] uint8
     in super-blocks of 2**group_shift, each with an fp32 `scale` (d) and `offset`, and per sub-block of
     32 a 6-bit scale and minimum in `sub` uint8; or q6 values packed [out, 3 in / 4] uint8 (6 bits
     each, `formats.pack_q6`) in super-blocks of 256, with d and offset, and per sub-block of 16 a
@@ -201,11 +202,12 @@ def run_quantized(
     if not int8 and (sub is None or sub.shape != (out_features, features // 16) or not sub.is_contiguous()):
         what = "an 8-bit scale for every 16" if q6 else "a 6-bit scale and minimum for every 32"
         raise ValueError(f"{'6' if q6 else '4'}-bit weights need {what} of their {features} features")
-    rows = x.numel() // features
-    flat = x.reshape(rows, features).to(torch.float32).contiguous()
+    rows, bf16 = x.numel() // features, x.dtype == torch.bfloat16
+    flat = x.reshape(rows, features)
+    flat = (flat if bf16 else flat.to(torch.float32)).contiguous()
     bias = None if bias is None else bias.to(torch.float32).contiguous()
-    out = torch.empty(rows, out_features, dtype=torch.float32, device="cpu")
-    rest = (None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features, features, torch.get_num_threads())
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16 if bf16 else torch.float32, device="cpu")
+    rest = (None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features, features, torch.get_num_threads(), bf16)
     if int8:
         library.linear_quantized(flat.data_ptr(), q.data_ptr(), scale.data_ptr(), None, group_shift, *rest)
     else:

@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "quantize.h"
 #include "sums.h"
 
@@ -290,11 +291,13 @@ static const tile_fn SINGLE[][X_ROWS + 1] = {{0, single_q4_1, single_q4_2, singl
 
 /* One call's work, shared with the pool's parts (`pool.c`). */
 typedef struct {
-    const float *x, *bias;
-    float *out;
+    const void *x; /* fp32, or bf16 (`bf16`: widened as each part quantizes its rows) */
+    const float *bias;
+    void *out; /* fp32, or bf16 (rounded as each part writes its outputs) */
     weights W;
     acts A;
     int64_t M, N;
+    int bf16;
 } job;
 
 void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
@@ -308,9 +311,11 @@ static void *vec_alloc(size_t bytes) {
 static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const job *J = ctx;
     const int64_t K = J->W.K, S = J->W.size, supers = J->W.supers;
-    for (int64_t i = J->M * part / parts; i < J->M * (part + 1) / parts; i++)
+    float *buf = J->bf16 ? malloc(sizeof(float) * K) : NULL;
+    for (int64_t i = J->M * part / parts; i < J->M * (part + 1) / parts; i++) {
+        const float *row = row_fp32(J->x, i, K, J->bf16, buf);
         for (int64_t s = 0; s < supers; s++) {
-            const float *x = J->x + i * K + s * S;
+            const float *x = row + s * S;
             int8_t *q = J->A.q + i * K + s * S;
             int16_t *sums = J->A.sums + (i * supers + s) * MAX_SUBS;
             __m256 inv;
@@ -328,6 +333,8 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
                     sums[b] = (int16_t)hsum4_epi32(_mm_add_epi32(lo, hi));
             }
         }
+    }
+    free(buf);
 }
 
 /* Part `part` of `parts`: its share of the blocks of BLOCK_N weight rows, for the few rows of x. Bound
@@ -349,7 +356,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
         for (int64_t n = n_start; n < n_end; n++)
             for (int i = 0; i < M; i++) {
                 const int64_t at = (n - n_start) * X_ROWS + i;
-                J->out[i * N + n] = acc[at] + accm[at] + (J->bias ? J->bias[n] : 0.0f);
+                put(J->out, i * N + n, acc[at] + accm[at] + (J->bias ? J->bias[n] : 0.0f), J->bf16);
             }
     }
 }
@@ -452,7 +459,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, i
     for (int j = 0; j < r; j++) {
         float y[GROUP];
         fstore(y, fadd(fadd(acc[j], accm[j]), fset1(J->bias ? J->bias[n + j] : 0.0f)));
-        for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) J->out[(g * GROUP + l) * J->N + n + j] = y[l];
+        for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) put(J->out, (g * GROUP + l) * J->N + n + j, y[l], J->bf16);
     }
 }
 
@@ -490,12 +497,12 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     free(wu);
 }
 
-/* x: M x K fp32; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs (K / 16 a row) bytes; Q6_K (q6 1):
+/* x: M x K, fp32 or bf16 (bf16 1), as out; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs (K / 16 a row) bytes; Q6_K (q6 1):
  * qs N x 3 K / 4, sub N x K / 16 signed bytes; d and o: N x supers, bias: N or NULL, out: M x N; super-blocks
  * of `size` values (Q4_K: 64, 128 or 256; Q6_K: 256), K a multiple of it. */
-void linear_q4(const float *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
-               const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
-    job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N,
+void linear_q4(const void *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
+               const float *bias, void *out, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
+    job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .bf16 = bf16,
              .W = {.qs = qs, .sub = sub, .d = d, .o = o, .K = K, .size = size, .supers = K / size, .subs = size / (q6 ? 16 : 32),
                    .sub_stride = q6 ? size / 16 : 2 * (size / 32), .row_bytes = q6 ? K / 4 * 3 : K / 2, .q6 = q6,
                    .sub_end = sub + N * (K / 16)}};

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "quantize.h"
 #include "sums.h"
 
@@ -279,11 +280,13 @@ static const tile16_fn WIDE_SINGLE[][X16_ROWS + 1] = {{0, wide_single_1_1, wide_
 
 /* One call's work, shared with the pool's parts (`pool.c`). */
 typedef struct {
-    const float *x, *bias;
-    float *out;
+    const void *x; /* fp32, or bf16 (`bf16`: widened as each part quantizes its rows) */
+    const float *bias;
+    void *out; /* fp32, or bf16 (rounded as each part writes its outputs) */
     weights W;
     acts A;
     int64_t M, N, K;
+    int bf16;
 } job;
 
 void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
@@ -291,9 +294,11 @@ void pool_run(void (*task)(void *, int64_t, int64_t), void *ctx, int64_t parts);
 static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     job *J = ctx;
     const int64_t KA = J->K / (BLOCK * J->A.units);
+    float *buf = J->bf16 ? malloc(sizeof(float) * J->K) : NULL;
     for (int64_t i = J->M * part / parts; i < J->M * (part + 1) / parts; i++)
-        quantize_row(J->x + i * J->K, J->A.q ? J->A.q + i * J->K : NULL, J->A.q16 ? J->A.q16 + i * J->K : NULL, J->A.d + i * KA, J->K,
-                     J->A.units);
+        quantize_row(row_fp32(J->x, i, J->K, J->bf16, buf), J->A.q ? J->A.q + i * J->K : NULL, J->A.q16 ? J->A.q16 + i * J->K : NULL,
+                     J->A.d + i * KA, J->K, J->A.units);
+    free(buf);
 }
 
 /* Part `part` of `parts`: its share of the blocks of weight rows, for every row of x. */
@@ -343,7 +348,7 @@ static void multiply_part(void *ctx, int64_t part, int64_t parts) {
                 const __m256 *row_accs = accs + (m0 - m_block) / rows * block_n * rows;
                 for (int64_t n = n_start; n < n_end; n++)
                     for (int i = 0; i < m; i++)
-                        J->out[(m0 + i) * N + n] = hsum(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f);
+                        put(J->out, (m0 + i) * N + n, hsum(row_accs[(n - n_start) * rows + i]) + (J->bias ? J->bias[n] : 0.0f), J->bf16);
             }
         }
     }
@@ -409,7 +414,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *G, i
     for (int j = 0; j < r; j++) {
         float y[GROUP];
         _mm512_storeu_ps(y, _mm512_add_ps(acc[j], _mm512_set1_ps(J->bias ? J->bias[n + j] : 0.0f)));
-        for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) J->out[(g * GROUP + l) * J->N + n + j] = y[l];
+        for (int l = 0; l < GROUP && g * GROUP + l < J->M; l++) put(J->out, (g * GROUP + l) * J->N + n + j, y[l], J->bf16);
     }
 }
 
@@ -514,7 +519,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const job *J, int64_
         float y[4];
         _mm_storeu_ps(y, acc[i]);
         for (int j = 0; j < r; j++)
-            J->out[i * J->N + n + j] = (lanewise ? hsum(lane_acc[j][i]) : y[j]) + (J->bias ? J->bias[n + j] : 0.0f);
+            put(J->out, i * J->N + n + j, (lanewise ? hsum(lane_acc[j][i]) : y[j]) + (J->bias ? J->bias[n + j] : 0.0f), J->bf16);
     }
 }
 
@@ -551,12 +556,12 @@ static void vnni_part(void *ctx, int64_t part, int64_t parts) {
 }
 #endif
 
-/* x: M x K fp32 (K a multiple of the activation block), q: N x K int8, scale: N x groups, bias: N or
- * NULL, out: M x N. */
-void linear_quantized(const float *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
-                      const float *bias, float *out, int64_t M, int64_t N, int64_t K, int threads) {
+/* x: M x K, fp32 or bf16 (bf16 1), as out (K a multiple of the activation block), q: N x K int8, scale:
+ * N x groups, bias: N or NULL, out: M x N. */
+void linear_quantized(const void *x, const int8_t *q, const float *scale, const float *offset, int64_t group_shift,
+                      const float *bias, void *out, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
     (void)offset;
-    job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K,
+    job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .K = K, .bf16 = bf16,
              .W = {.q = q, .scale = scale, .K = K, .groups = ((K - 1) >> group_shift) + 1, .group_shift = group_shift},
              .A = {.d = malloc(sizeof(float) * M * (K / BLOCK)), .units = units_for(group_shift)}};
 #ifdef LANES_AS_ROWS

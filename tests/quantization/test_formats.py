@@ -1,5 +1,5 @@
 """The quantized formats: int8 and 4-bit weights round-trip within half a step, the 4-bit packing is
-its own inverse, and both kernels (the 4-bit one also for GGUF's Q6_K) compute the product of the dequantized weights and
+its own inverse (the 6-bit too), and both kernels (the 4-bit one also for GGUF's Q6_K) compute the product of the dequantized weights and
 `quantize_activations(x)` (exact integer products, fp32 rounding only), for any number of rows, fp32
 and bf16 activations, on every instruction set this CPU builds."""
 
@@ -12,7 +12,9 @@ from conftest import random_q6
 
 from rag_speculate import InvalidArgumentError
 from rag_speculate.cpu.linear import _Q4_SOURCE, _Q8_SOURCE, activation_block, build_linear_q4, build_linear_q8, run_quantized
-from rag_speculate.quantization.formats import QuantizedWeight, dequantize, fits, pack_q4, quantize, quantize_activations, unpack_q4
+from rag_speculate.quantization.formats import (
+    QuantizedWeight, dequantize, fits, pack_q4, pack_q6, quantize, quantize_activations, unpack_q4, unpack_q6,
+)  # fmt: skip
 
 ISAS = ["AVX2", "AVX512"]
 
@@ -32,6 +34,17 @@ def test_packing_4_bit_values_is_its_own_inverse():
     assert packed.shape == (7, 64) and torch.equal(unpack_q4(packed, 128), q)
     # As Q4_K packs them: byte b of each 32 holds value b in its low nibble and value 32 + b in its high one.
     assert packed[0, 5] == q[0, 5] | (q[0, 37] << 4) and packed[0, 40] == q[0, 72] | (q[0, 104] << 4)
+
+
+def test_packing_6_bit_values_is_its_own_inverse():
+    q = torch.randint(0, 64, (7, 256), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = pack_q6(q)
+    assert packed.shape == (7, 192) and torch.equal(unpack_q6(packed, 256), q)
+    # Each 64 values in 48 bytes: their low 4 bits as Q4_K's, then byte 32 + b holds the high 2 bits
+    # of values b, 16 + b, 32 + b and 48 + b from its low bits up.
+    assert packed[0, 53] == (q[0, 69] & 15) | ((q[0, 101] & 15) << 4)
+    high = packed[0, 48 + 32 + 3]
+    assert [(high >> s) & 3 for s in (0, 2, 4, 6)] == [q[0, 64 + 16 * run + 3] >> 4 for run in range(4)]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -88,6 +101,25 @@ def test_the_4_bit_kernel_multiplies_the_dequantized_weights_by_the_quantized_ac
             assert got.dtype == dtype
             tolerance = (2e-2 if dtype == torch.bfloat16 else 1e-5) * (want.abs().max() + 1)
             assert (got.double() - want).abs().max() <= tolerance, (out_features, rows)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("method", ["int8", "int4", "q6"])
+def test_bf16_activations_cross_the_kernel_as_torch_converts_them(method, isa):
+    """bf16 activations are widened and the outputs rounded in C, not by torch each side of the call:
+    the same bits as the fp32 product of the widened rows, rounded to bf16 by torch (ties to even)."""
+    library = built(isa, "q8" if method == "int8" else "q4")
+    generator = torch.Generator().manual_seed(4)
+    weight = random_q6(37, 512, generator) if method == "q6" else quantize(torch.randn(37, 512, generator=generator), method)
+    bias = torch.randn(37, generator=generator).to(torch.bfloat16)
+
+    def run(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return run_quantized(library, x, weight.values, weight.scale, weight.offset, weight.group_shift, 37, bias, weight.sub)
+
+    for rows in (1, 3, 70):  # the decoding tiles and the prefill's product
+        x = torch.randn(rows, 512, generator=generator).to(torch.bfloat16)
+        got = run(x, bias)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, run(x.float(), bias.float()).to(torch.bfloat16)), rows
 
 
 @pytest.mark.parametrize("isa", ISAS)
