@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define EXP_FLOOR -87.0f /* below, exp underflows fp32's normal range: the probability is 0 */
 #define MASKED -1e30f    /* an additive mask at or below this hides the entry */
 
@@ -74,12 +76,7 @@ static inline __m256 vscale(__m256 p, __m256 n) { /* n in [-126, 0]: 2^n built i
 #ifdef ATTENTION_BF16
 typedef uint16_t elem;
 #define load(p) vwiden(p)
-static inline uint16_t store_elem(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFF + ((u >> 16) & 1); /* nearest, ties to even */
-    return (uint16_t)(u >> 16);
-}
+#define store_elem(f) bf16_round(f)
 #else
 typedef float elem;
 #define load(p) vload(p)

@@ -17,6 +17,18 @@ static inline uint16_t bf16_round(float f) {
     return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+/* A kernel built for fp32 or, with -DVALUES_BF16, for bf16 (norm.c, rotary.c) reads and writes
+ * `value`s: WIDEN gives one's fp32, ROUND an fp32 result as a value (exact, or rounded as torch rounds). */
+#ifdef VALUES_BF16
+typedef uint16_t value;
+#define WIDEN(v) bf16_widen(v)
+#define ROUND(f) bf16_round(f)
+#else
+typedef float value;
+#define WIDEN(v) (v)
+#define ROUND(f) (f)
+#endif
+
 /* Row i of x, K values in fp32 or bf16 (bf16 1), as fp32: in place, or widened into `buf`. */
 static inline const float *row_fp32(const void *x, int64_t i, int64_t K, int bf16, float *buf) {
     if (!bf16) return (const float *)x + i * K;

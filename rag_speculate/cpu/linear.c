@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #ifdef __AVX512F__
 #define W_ROWS 8
 #define X_ROWS 3
@@ -61,18 +63,8 @@ static inline float sum(__m256 v) {
 
 #ifdef LINEAR_BF16
 typedef uint16_t elem; /* bf16's bits */
-static inline float to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline uint16_t from_float(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                /* nearest, ties to even */
-}
+#define to_float(v) bf16_widen(v)
+#define from_float(f) bf16_round(f)
 #ifdef BF16_DOT
 #ifndef __AVX512BF16__
 #error "BF16_DOT needs AVX512-BF16"

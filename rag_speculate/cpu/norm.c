@@ -1,6 +1,6 @@
 /* The RMS norm of fp32 rows as the Llama-family norm modules compute it in torch, bit for bit:
  *     out = w * (x * (1 / sqrt(sum(x * x) / n + eps)))
- * in one call where torch runs seven operators. Built with -DNORM_BF16, for bf16 rows and weights:
+ * in one call where torch runs seven operators. Built with -DVALUES_BF16, for bf16 rows and weights:
  * the modules widen x to fp32 for the same steps, round x * scale to bf16, and multiply by w in bf16
  * (in fp32, rounded once: `bf16.h`).
  *
@@ -18,16 +18,6 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-
-#ifdef NORM_BF16
-typedef uint16_t value; /* bf16 bits */
-#define WIDEN(v) bf16_widen(v)
-#define ROUND(f) bf16_round(f)
-#else
-typedef float value;
-#define WIDEN(v) (v)
-#define ROUND(f) (f)
-#endif
 
 /* 8 on AVX-512 CPUs too: SumKernel.cpp registers its kernel with REGISTER_DISPATCH, which leaves the
  * AVX-512 slot empty (DispatchStub.h), so torch runs the AVX2 build, whose vectors hold 8 floats. */

@@ -24,7 +24,7 @@ _SOURCE = Path(__file__).with_name("norm.c")
 _LANES = 8
 
 
-_DTYPES = {torch.float32: [], torch.bfloat16: ["-DNORM_BF16"]}
+_DTYPES = {torch.float32: [], torch.bfloat16: ["-DVALUES_BF16"]}
 
 
 @functools.cache

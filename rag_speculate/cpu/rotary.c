@@ -3,21 +3,11 @@
  *     out = (x * cos) + (rotate_half(x) * sin),  rotate_half(x) = cat(-x[half:], x[:half])
  * Each output is two products and a sum, each rounded once (the negation is exact), so the same
  * three operations in C give the same bits (built with -ffp-contract=off: no fused multiply-add).
- * Built with -DROTARY_BF16, for bf16 heads, cos and sin: each of the three rounded to bf16 (`bf16.h`).
+ * Built with -DVALUES_BF16, for bf16 heads, cos and sin: each of the three rounded to bf16 (`bf16.h`).
  */
 #include <stdint.h>
 
 #include "bf16.h"
-
-#ifdef ROTARY_BF16
-typedef uint16_t value; /* bf16 bits */
-#define WIDEN(v) bf16_widen(v)
-#define ROUND(f) bf16_round(f)
-#else
-typedef float value;
-#define WIDEN(v) (v)
-#define ROUND(f) (f)
-#endif
 
 /* A product or sum of two values, rounded as torch rounds it in their dtype. */
 #define MUL(a, b) ROUND(WIDEN(a) * WIDEN(b))

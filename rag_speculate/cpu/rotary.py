@@ -22,7 +22,7 @@ _SOURCE = Path(__file__).with_name("rotary.c")
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-_DTYPES = {torch.float32: [], torch.bfloat16: ["-DROTARY_BF16"]}
+_DTYPES = {torch.float32: [], torch.bfloat16: ["-DVALUES_BF16"]}
 
 
 @functools.cache
