@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void tile(const acts *A, const weig
             for (int i = 0; i < m; i++) lanes[j][i] = izero();
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t at = s * S + c * CHUNK;
-            /* The next tile's r rows, 32 bytes of each a step, fetched ahead: the hardware's prefetcher
+            /* The next tile's r rows, a chunk of each a step, fetched ahead: the hardware's prefetcher
              * misses rows read side by side. */
             const int64_t byte = q6 ? at / CHUNK * 48 : at / 2;
             for (int j = 0; j < r; j++) _mm_prefetch((const char *)(W->qs + (n + r + j) * row_bytes + byte), _MM_HINT_T1);
@@ -497,9 +497,9 @@ static void gemm_part(void *ctx, int64_t part, int64_t parts) {
     free(wu);
 }
 
-/* x: M x K, fp32 or bf16 (bf16 1), as out; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs (K / 16 a row) bytes; Q6_K (q6 1):
- * qs N x 3 K / 4, sub N x K / 16 signed bytes; d and o: N x supers, bias: N or NULL, out: M x N; super-blocks
- * of `size` values (Q4_K: 64, 128 or 256; Q6_K: 256), K a multiple of it. */
+/* x: M x K, fp32 or bf16 (bf16 1), as is out: M x N; Q4_K (q6 0): qs N x K/2, sub N x supers x 2 subs
+ * (K / 16 a row) bytes; Q6_K (q6 1): qs N x 3 K / 4, sub N x K / 16 signed bytes; d and o: N x supers,
+ * bias: N or NULL; super-blocks of `size` values (Q4_K: 64, 128 or 256; Q6_K: 256), K a multiple of it. */
 void linear_q4(const void *x, const uint8_t *qs, const uint8_t *sub, const float *d, const float *o, int64_t size, int q6,
                const float *bias, void *out, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
     job J = {.x = x, .bias = bias, .out = out, .M = M, .N = N, .bf16 = bf16,
