@@ -29,8 +29,10 @@ _DTYPES = {torch.float32: [], torch.bfloat16: ["-DVALUES_BF16"]}
 
 @functools.cache
 def norm_library(dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled kernel for rows of `dtype` (fp32 or bf16), built into the cache on first use; or None and why not."""
-    lib, reason = compile_kernel(_SOURCE, [*BASE_FLAGS, *_DTYPES[dtype]], f"norm-{str(dtype).removeprefix('torch.')}", "the norm kernel")
+    """The compiled kernel for rows of `dtype` (fp32 or bf16), built into the cache on first use; or
+    None and why not."""
+    stem = f"norm-{str(dtype).removeprefix('torch.')}"
+    lib, reason = compile_kernel(_SOURCE, [*BASE_FLAGS, *_DTYPES[dtype]], stem, "the norm kernel")
     if lib is not None:
         lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.rms_norm.restype = None

@@ -27,7 +27,8 @@ _DTYPES = {torch.float32: [], torch.bfloat16: ["-DVALUES_BF16"]}
 
 @functools.cache
 def rotary_library(dtype: torch.dtype = torch.float32) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled kernel for heads of `dtype` (fp32 or bf16), built into the cache on first use; or None and why not."""
+    """The compiled kernel for heads of `dtype` (fp32 or bf16), built into the cache on first use; or
+    None and why not."""
     stem = f"rotary-{str(dtype).removeprefix('torch.')}"
     lib, reason = compile_kernel(_SOURCE, [*BASE_FLAGS, *_DTYPES[dtype]], stem, "the rotary kernel")
     if lib is not None:
